@@ -1,0 +1,328 @@
+"""The one-call GROM edit: statistics, layer choice, targets and solve on a model and two lists of examples.
+
+    run = run_grom(model, tokenizer, forget, retain, GromParams())
+    run.edit          # the Edit value; the model is unchanged until run.edit.apply(model)
+    run.influence     # module -> InfluenceReport (when GromParams.influence)
+
+Everything is forward passes and float64 linear algebra; no gradient is taken.
+
+Several layers: editing layer l changes the keys of every later layer. With strategy="sequential" (the default)
+the modules are solved from the lowest layer up; before each solve the forget keys are collected again with the
+edits so far applied, and the module is asked for its share of the logit drop that is still missing (measured on
+the real logits, MEMIT's way of spreading a residual over layers). strategy="parallel" solves every module from the
+original keys with an equal share of the drop: one pass instead of one per module, less accurate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from grom_core.adapter import ModelAdapter, weight_out_in
+from grom_core.capture import collect
+from grom_core.data import Batch, Example, as_examples, iter_answer_tokens, make_batches
+from grom_core.edit import Edit, ModuleDelta
+from grom_core.errors import DataError, FingerprintMismatchError, UnsupportedArchitectureError
+from grom_core.fingerprint import data_digest, weights_fingerprint
+from grom_core.influence import InfluenceReport, influence_report
+from grom_core.layers import LayerScores, choose_band, score_layers
+from grom_core.solver import solve_factors
+from grom_core.statistics import GramStats, accumulate
+from grom_core.targets import (
+    lm_head_suppression,
+    representation_corruption,
+    residual_suppression,
+    specificity_weights,
+    suggest_coefficient,
+    suppression_drops,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GromParams:
+    """Hyper-parameters of the closed-form edit.
+
+    Attributes:
+        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution.
+        band_width: number of contiguous layers in the automatic band.
+        late_fraction: the band is searched among the last `late_fraction` of the layers.
+        edit_lm_head: also edit the LM head (suppression targets only).
+        target: "suppress" (lower the gold tokens' logits; generation benchmarks) or "corrupt" (move the layer
+            output to a random direction; multiple-choice benchmarks).
+        beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
+        sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
+        w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
+        relative_ridge: mu as a fraction of the mean retain key energy, mu = relative_ridge * w_retain * tr(G_r) /
+            (r n), so the same value suits any model width and key scale.
+        strategy: "sequential" or "parallel" (see the module docstring).
+        corrupt_coefficient: c of the corruption target; None uses 2x the mean residual norm of the forget positions.
+        seed: seed of the corruption direction.
+        batch_size, max_length: forward pass batching (examples per batch, tokens per example).
+        influence: also compute the exact per-example influence on every module's edit.
+    """
+
+    layers: tuple[int, ...] | None = None
+    band_width: int = 2
+    late_fraction: float = 0.75
+    edit_lm_head: bool = True
+    target: str = "suppress"
+    beta: float = 30.0
+    sharpness: float = 1.0
+    threshold: float = 0.0
+    smoothing: float = 1.0
+    w_forget: float = 1.0
+    w_retain: float = 10.0
+    relative_ridge: float = 1e-3
+    strategy: str = "sequential"
+    corrupt_coefficient: float | None = None
+    seed: int = 0
+    batch_size: int = 16
+    max_length: int = 512
+    influence: bool = True
+
+    def validate(self) -> None:
+        if self.target not in ("suppress", "corrupt"):
+            raise ValueError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
+        if self.strategy not in ("sequential", "parallel"):
+            raise ValueError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
+        if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
+            raise ValueError("need beta > 0, w_forget > 0, w_retain >= 0 and relative_ridge > 0")
+
+
+@dataclass
+class SolveRecord:
+    """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s)."""
+
+    module: str
+    keys: torch.Tensor
+    targets: torch.Tensor
+    example_ids: torch.Tensor
+    ridge: float
+    retain_count: int
+
+
+@dataclass
+class GromRun:
+    """The result of `run_grom`: the edit and what it was made from."""
+
+    edit: Edit
+    layers: list[int]
+    layer_scores: LayerScores | None
+    retain_stats: dict[str, GramStats]
+    records: dict[str, SolveRecord] = field(default_factory=dict)
+    influence: dict[str, InfluenceReport] = field(default_factory=dict)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+class _Stopwatch:
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def lap(self, stage: str, start: float) -> None:
+        self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
+
+
+def _head_logits(head: nn.Module, keys: torch.Tensor, tokens: torch.Tensor, delta: ModuleDelta | None = None
+                 ) -> torch.Tensor:
+    """(s,) logit of token y_t from LM-head keys (s, hidden), float64; `delta` adds an (unapplied) head edit."""
+    w = weight_out_in(head).detach().double()
+    rows = w[tokens.to(w.device)]
+    if delta is not None:
+        t = tokens.cpu()
+        rows = rows + (delta.left[t] @ delta.right if delta.factored else delta.dense[t]).to(rows.device)
+    logits = (rows * keys.double().to(w.device)).sum(dim=1)
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        logits = logits + bias.detach().double()[tokens.to(bias.device)]
+    return logits.cpu()
+
+
+def _mu(stats: GramStats, params: GromParams) -> float:
+    energy = float(stats.gram.diagonal().sum()) / max(1, stats.count) / stats.dim
+    return params.relative_ridge * max(params.w_retain, 1e-12) * max(energy, 1e-12)
+
+
+def _retain_statistics(model, adapter, modules, retain_batches, retain_stats, fingerprint, digest) -> dict:
+    stats = dict(retain_stats or {})
+    for name, st in stats.items():
+        if st.fingerprint and st.fingerprint != fingerprint:
+            raise FingerprintMismatchError(f"retain statistics of '{name}' were computed on model "
+                                           f"{st.fingerprint[:12]}, not {fingerprint[:12]}; recompute them")
+    missing = [m for m in modules if m not in stats]
+    if missing:
+        computed = accumulate(model, retain_batches, missing, fingerprint=fingerprint, data_digest=digest,
+                              early_stop=adapter.lm_head_name not in missing)
+        stats.update({name: st for name, st in computed.items()})
+    return stats
+
+
+def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tuple | str],
+             retain: Sequence[Example | dict | tuple | str], params: GromParams = GromParams(), *,
+             adapter: ModelAdapter | None = None, retain_stats: dict[str, GramStats] | None = None) -> GromRun:
+    """Compute the closed-form unlearning edit of `model` for `forget` while preserving `retain`.
+
+    Args:
+        model: a Hugging Face causal LM (any device); it is not modified.
+        tokenizer: its tokenizer.
+        forget, retain: QA pairs or texts (Example, dicts with question/answer or text, tuples, strings).
+        params: GromParams.
+        adapter: hand-named modules for architectures the adapter does not know.
+        retain_stats: cached GramStats per module (must match this model's fingerprint); missing ones are computed.
+    """
+    params.validate()
+    clock = _Stopwatch()
+    t0 = time.perf_counter()
+    forget_ex, retain_ex = as_examples(forget), as_examples(retain)
+    adapter = adapter or ModelAdapter.for_model(model)
+    if params.edit_lm_head and params.target == "suppress" and adapter.lm_head_is_tied():
+        raise UnsupportedArchitectureError(
+            f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
+            f"(numerically a no-op), or set edit_lm_head=False")
+    forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length)
+    retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
+                                  first_id=len(forget_ex))
+    fingerprint = weights_fingerprint(model)
+    retain_digest = data_digest(ex.record() for ex in retain_ex)
+    vocab = weight_out_in(adapter.lm_head).shape[0]
+    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
+                                  sharpness=params.sharpness, threshold=params.threshold,
+                                  smoothing=params.smoothing)
+    clock.lap("prepare", t0)
+
+    t0 = time.perf_counter()
+    scores = None
+    if params.layers is None:
+        scores = score_layers(model, adapter, forget_batches, retain_batches, weights)
+        layers = choose_band(scores.score, min(params.band_width, adapter.num_layers), params.late_fraction)
+        log.info("layer scores %s -> editing layers %s",
+                 ", ".join(f"{v:.3f}" for v in scores.score.tolist()), layers)
+    else:
+        layers = sorted(set(params.layers))
+        bad = [layer for layer in layers if not 0 <= layer < adapter.num_layers]
+        if bad:
+            raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
+    clock.lap("layer_scores", t0)
+
+    modules = [adapter.down_proj_names[layer] for layer in layers]
+    if params.edit_lm_head and params.target == "suppress":
+        modules.append(adapter.lm_head_name)
+    t0 = time.perf_counter()
+    stats = _retain_statistics(model, adapter, modules, retain_batches, retain_stats, fingerprint, retain_digest)
+    clock.lap("retain_statistics", t0)
+
+    t0 = time.perf_counter()
+    solver = _SequentialSolver(model, adapter, forget_batches, weights, params, stats, layers)
+    deltas, records = solver.solve(modules)
+    clock.lap("solve", t0)
+
+    edit = Edit(deltas=deltas, base_fingerprint=fingerprint, params=_params_dict(params),
+                metadata={"layers": layers, "modules": modules, "retain_digest": retain_digest,
+                          "forget_digest": data_digest(ex.record() for ex in forget_ex),
+                          "forget_examples": len(forget_ex), "retain_examples": len(retain_ex),
+                          "forget_positions": int(next(iter(records.values())).keys.shape[1]),
+                          "retain_positions": {m: stats[m].count for m in modules},
+                          "layer_scores": scores.as_rows() if scores is not None else None,
+                          "logit_drop": solver.achieved})
+    run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records)
+    if params.influence:
+        t0 = time.perf_counter()
+        for name, rec in records.items():
+            run.influence[name] = influence_report(rec.keys, rec.targets, stats[name].gram, rec.retain_count,
+                                                   rec.example_ids, w_forget=params.w_forget,
+                                                   w_retain=params.w_retain, ridge=rec.ridge)
+        clock.lap("influence", t0)
+    run.timings_s = clock.timings
+    log.info("GROM edit %s: %d modules, %d forget positions, stages %s", edit.edit_id, len(modules),
+             edit.metadata["forget_positions"], {k: round(v, 3) for k, v in clock.timings.items()})
+    return run
+
+
+def compute_edit(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(), **kwargs) -> Edit:
+    """`run_grom(...).edit`: the Edit alone."""
+    return run_grom(model, tokenizer, forget, retain, params, **kwargs).edit
+
+
+def _params_dict(params: GromParams) -> dict:
+    out = asdict(params)
+    out["layers"] = list(params.layers) if params.layers is not None else None
+    out["method"] = "grom"
+    return out
+
+
+class _SequentialSolver:
+    """Solves the modules lowest layer first (or all at once for strategy="parallel")."""
+
+    def __init__(self, model, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
+                 params: GromParams, stats: dict[str, GramStats], layers: list[int]) -> None:
+        self.model, self.adapter, self.batches = model, adapter, forget_batches
+        self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
+        self.unembedding = adapter.unembedding()
+        self.achieved: dict[str, float] = {}
+
+    def _collect(self, modules: Sequence[str], edit: Edit | None):
+        """Forget-side capture (with `edit` applied when given): keys of `modules`, the LM-head key (logits) and
+        the final-norm input (its scale), plus the block outputs for corruption targets."""
+        inputs = list(dict.fromkeys([*modules, self.adapter.lm_head_name, self.adapter.final_norm_name]))
+        outputs = []
+        if self.params.target == "corrupt":
+            outputs = [self.adapter.block_names[layer] for layer in self.layers]
+        if edit is None or not edit.deltas:
+            return collect(self.model, self.batches, inputs, outputs, early_stop=False, desc="forget keys")
+        with edit.applied(self.model, verify=False):
+            return collect(self.model, self.batches, inputs, outputs, early_stop=False, desc="forget keys")
+
+    def solve(self, modules: list[str]) -> tuple[dict[str, ModuleDelta], dict[str, SolveRecord]]:
+        params, adapter = self.params, self.adapter
+        base = self._collect(modules, None)
+        tokens = base.next_tokens.cpu()
+        desired = suppression_drops(tokens, self.weights, params.beta)
+        logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], tokens)
+        deltas: dict[str, ModuleDelta] = {}
+        records: dict[str, SolveRecord] = {}
+        got = base
+        for i, name in enumerate(modules):
+            if params.strategy == "sequential" and i > 0:
+                got = self._collect(modules, Edit(deltas=dict(deltas), base_fingerprint=""))
+            if params.strategy == "sequential":
+                # the down-projections split what is still missing; the LM head, last, is asked for the rest
+                achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], tokens)
+                left_to_do = max(1, sum(1 for m in modules[i:] if m != adapter.lm_head_name))
+                share = (desired - achieved).clamp_min(0) / left_to_do
+            else:
+                share = desired / len(modules)
+            targets = self._targets(name, got, share)
+            keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
+            st = self.stats[name]
+            mu = _mu(st, params)
+            left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=params.w_forget,
+                                                w_retain=params.w_retain, ridge=mu)
+            deltas[name] = ModuleDelta.from_factors(name, left, right)
+            records[name] = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
+                                        ridge=mu, retain_count=st.count)
+            log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
+                     f", jitter {system.jitter:.3g}" if system.jitter else "")
+        final = self._collect([], Edit(deltas=dict(deltas), base_fingerprint=""))
+        head_key = final.inputs[adapter.lm_head_name]
+        drop = logits0 - _head_logits(adapter.lm_head, head_key, tokens, deltas.get(adapter.lm_head_name))
+        self.achieved = {"asked_mean": float(desired.mean()), "achieved_mean": float(drop.mean())}
+        return deltas, records
+
+    def _targets(self, name: str, got, share: torch.Tensor) -> torch.Tensor:
+        adapter = self.adapter
+        tokens = got.next_tokens.cpu()
+        if self.params.target == "corrupt":
+            layer = adapter.down_proj_names.index(name)
+            h = got.outputs[adapter.block_names[layer]]
+            c = self.params.corrupt_coefficient or suggest_coefficient(h)
+            return representation_corruption(h, c, self.params.seed + layer)
+        if name == adapter.lm_head_name:
+            return lm_head_suppression(tokens, share, self.unembedding.shape[0])
+        scale = adapter.norm_scale(got.inputs[adapter.final_norm_name])
+        return residual_suppression(tokens, share, self.unembedding, scale)

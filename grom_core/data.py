@@ -1,0 +1,155 @@
+"""Examples and batches: QA pairs or raw texts turned into token ids with supervision labels.
+
+A QA pair is supervised on its answer only (the question's labels are -100, as in TOFU); a raw text is supervised
+on every token after the first. Keys are captured where the *next* token is supervised.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grom_core.errors import DataError
+
+IGNORE_INDEX = -100
+
+QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
+ANSWER_TEMPLATE = " {answer}"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One unit of data: a QA pair (question and answer) or a raw text (text only)."""
+
+    question: str | None = None
+    answer: str | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        is_qa = self.question is not None and self.answer is not None
+        if is_qa == (self.text is not None):
+            raise DataError("an example is either a question/answer pair or a text; give one of the two")
+        content = (self.question or "") + (self.answer or "") + (self.text or "")
+        if not content.strip():
+            raise DataError("an example is empty; drop empty rows from the input file")
+
+    def record(self) -> dict[str, str]:
+        """JSON-serialisable content, used for digests and the catalog."""
+        if self.text is not None:
+            return {"text": self.text}
+        return {"question": self.question, "answer": self.answer}
+
+
+def as_examples(items: Sequence[Example | dict | tuple | str]) -> list[Example]:
+    """Normalise user input: Example, {"question", "answer"} / {"text"} dicts, (question, answer) tuples or strings."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, Example):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(Example(text=item))
+        elif isinstance(item, tuple) and len(item) == 2:
+            out.append(Example(question=item[0], answer=item[1]))
+        elif isinstance(item, dict) and ("question" in item and "answer" in item):
+            out.append(Example(question=str(item["question"]), answer=str(item["answer"])))
+        elif isinstance(item, dict) and "text" in item:
+            out.append(Example(text=str(item["text"])))
+        else:
+            raise DataError(f"example {i} has neither question/answer nor text; give one of the two per row")
+    return out
+
+
+@dataclass
+class EncodedExample:
+    """Token ids (T,) and labels (T,) of one example; labels are -100 where nothing is supervised."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def encode(tokenizer, example: Example, max_length: int = 512) -> EncodedExample:
+    """Tokenise one example. The prompt and answer are encoded separately so the boundary is exact."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if example.text is not None:
+        ids = bos + tokenizer.encode(example.text, add_special_tokens=False) + eos
+        labels = [IGNORE_INDEX] * len(bos) + ids[len(bos):]
+    else:
+        prompt = bos + tokenizer.encode(QUESTION_TEMPLATE.format(question=example.question), add_special_tokens=False)
+        answer = tokenizer.encode(ANSWER_TEMPLATE.format(answer=example.answer), add_special_tokens=False) + eos
+        ids = prompt + answer
+        labels = [IGNORE_INDEX] * len(prompt) + answer
+    ids, labels = ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        raise DataError(f"example has no supervised token within max_length={max_length}; shorten its prompt "
+                        f"or raise max_length")
+    return EncodedExample(ids, labels)
+
+
+@dataclass
+class Batch:
+    """A padded batch (right padding). Shapes: input_ids, attention_mask, labels (B, T); example_ids (B,)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    example_ids: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
+                     self.example_ids.to(device))
+
+    @property
+    def num_supervised(self) -> int:
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def collate(encoded: Sequence[EncodedExample], example_ids: Sequence[int], pad_id: int) -> Batch:
+    width = max(len(e.input_ids) for e in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(encoded), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, enc in enumerate(encoded):
+        n = len(enc.input_ids)
+        input_ids[row, :n] = torch.tensor(enc.input_ids)
+        labels[row, :n] = torch.tensor(enc.labels)
+        mask[row, :n] = 1
+    return Batch(input_ids, mask, labels, torch.tensor(list(example_ids), dtype=torch.long))
+
+
+def pad_token_id(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0  # pragma: no cover
+
+
+def make_batches(tokenizer, examples: Sequence[Example], batch_size: int = 16, max_length: int = 512,
+                 first_id: int = 0) -> list[Batch]:
+    """Encode and batch examples in order; example ids run from `first_id`."""
+    if not examples:
+        raise DataError("no examples given; the forget and retain sets must each hold at least one example")
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}")
+    encoded = [encode(tokenizer, ex, max_length) for ex in examples]
+    pad = pad_token_id(tokenizer)
+    batches = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start:start + batch_size]
+        ids = range(first_id + start, first_id + start + len(chunk))
+        batches.append(collate(chunk, ids, pad))
+    return batches
+
+
+def iter_answer_tokens(batches: Sequence[Batch]) -> Iterator[int]:
+    """Every supervised token id, in order (used for token frequencies)."""
+    for batch in batches:
+        supervised = batch.labels[:, 1:]
+        yield from supervised[supervised != IGNORE_INDEX].tolist()
+
+
+def num_batches(n_examples: int, batch_size: int) -> int:
+    return math.ceil(n_examples / batch_size)

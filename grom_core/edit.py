@@ -1,0 +1,296 @@
+"""The Edit value: per-module weight deltas, the parameters that produced them and the base weights fingerprint.
+
+Computing an edit never touches the model; applying and reverting are separate, explicit steps:
+
+    edit = compute_edit(...)        # model unchanged
+    undo = edit.apply(model)        # W <- cast(W + P), refuses a model with another fingerprint
+    edit.revert(model)              # W restored bit for bit
+
+Why revert is exact: W' = cast(W + P) loses bits, so cast(W' - P) is usually, not always, W. `apply` records the
+few entries where that reconstruction misses (their positions and original values, the Undo); `revert` recomputes
+cast(W' - P) and patches those entries, which gives the original bits back without storing a copy of W.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from grom_core.adapter import get_module, weight_out_in
+from grom_core.errors import FingerprintMismatchError, ShapeMismatchError
+from grom_core.fingerprint import weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ROW_CHUNK_ELEMENTS = 1 << 24  # materialise at most ~16M float64 entries (128 MB) of a delta at a time
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+
+
+@dataclass(frozen=True)
+class ModuleDelta:
+    """The update P (out, in) of one module, float64, stored as factors left (out, k) @ right (k, in) when that is
+    smaller than the dense matrix, else dense."""
+
+    name: str
+    shape: tuple[int, int]
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_factors(cls, name: str, left: torch.Tensor, right: torch.Tensor) -> ModuleDelta:
+        m, k = left.shape
+        if right.shape[0] != k:
+            raise ShapeMismatchError(f"{name}: factors {tuple(left.shape)} and {tuple(right.shape)} do not chain")
+        n = right.shape[1]
+        left, right = left.double().cpu().contiguous(), right.double().cpu().contiguous()
+        if k * (m + n) < m * n:
+            return cls(name=name, shape=(m, n), left=left, right=right)
+        return cls(name=name, shape=(m, n), dense=left @ right)
+
+    @property
+    def factored(self) -> bool:
+        return self.dense is None
+
+    @property
+    def rank_bound(self) -> int:
+        return int(self.left.shape[1]) if self.factored else min(self.shape)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of P, float64 (materialised only for those rows)."""
+        if self.factored:
+            return self.left[start:stop] @ self.right
+        return self.dense[start:stop]
+
+    def full(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+    def frobenius_norm(self) -> float:
+        if not self.factored:
+            return float(torch.linalg.matrix_norm(self.dense))
+        # ||L R||_F^2 = trace((L^T L)(R R^T)): no (out, in) matrix needed
+        return float(((self.left.T @ self.left) * (self.right @ self.right.T)).sum().clamp_min(0).sqrt())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.factored:
+            return {f"{self.name}::left": self.left, f"{self.name}::right": self.right}
+        return {f"{self.name}::dense": self.dense}
+
+
+@dataclass
+class Undo:
+    """What `Edit.apply` needs to give the exact original bits back: per module, the flat [out, in] indices where
+    cast(W' - P) != W, and the original values there."""
+
+    edit_id: str
+    base_fingerprint: str
+    post_fingerprint: str
+    indices: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tensors = {}
+        for name in self.indices:
+            tensors[f"{name}::indices"] = self.indices[name].contiguous()
+            tensors[f"{name}::values"] = self.values[name].contiguous()
+        meta = {"edit_id": self.edit_id, "base_fingerprint": self.base_fingerprint,
+                "post_fingerprint": self.post_fingerprint, "modules": sorted(self.indices)}
+        save_file(tensors, str(path), metadata={"grom": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Undo:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = json.loads(handle.metadata()["grom"])
+        tensors = load_file(str(path))
+        return cls(edit_id=meta["edit_id"], base_fingerprint=meta["base_fingerprint"],
+                   post_fingerprint=meta["post_fingerprint"],
+                   indices={n: tensors[f"{n}::indices"] for n in meta["modules"]},
+                   values={n: tensors[f"{n}::values"] for n in meta["modules"]})
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+
+
+def _row_chunk(delta: ModuleDelta) -> int:
+    return max(1, ROW_CHUNK_ELEMENTS // max(1, delta.shape[1]))
+
+
+@dataclass
+class Edit:
+    """An additive weight update for several modules of one model.
+
+    Attributes:
+        deltas: module name -> ModuleDelta (float64, [out, in] orientation whatever the module stores).
+        base_fingerprint: weights fingerprint of the model the edit was computed on; apply refuses any other.
+        params: the hyper-parameters that produced the edit (JSON-serialisable).
+        metadata: anything else worth keeping (layer scores, counts, timings).
+    """
+
+    deltas: dict[str, ModuleDelta]
+    base_fingerprint: str
+    params: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def edit_id(self) -> str:
+        """Content address: sha256 over the base fingerprint, the parameters and the factor bytes (16 hex)."""
+        digest = hashlib.sha256(self.base_fingerprint.encode())
+        digest.update(json.dumps(self.params, sort_keys=True, default=str).encode())
+        for name in sorted(self.deltas):
+            for key, tensor in sorted(self.deltas[name].tensors().items()):
+                digest.update(key.encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.deltas)
+
+    # -- apply / revert -----------------------------------------------------------------------------------------
+    def _weights(self, model: nn.Module) -> Iterator[tuple[ModuleDelta, torch.Tensor]]:
+        for name, delta in self.deltas.items():
+            weight = weight_out_in(get_module(model, name))
+            if tuple(weight.shape) != delta.shape:
+                raise ShapeMismatchError(f"{name}: edit is {delta.shape}, the model's weight is "
+                                         f"{tuple(weight.shape)} ([out, in]); this edit belongs to another model")
+            yield delta, weight
+
+    def _check_untied(self, model: nn.Module) -> None:
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        for name in self.deltas:
+            if embed is not None and get_module(model, name).weight is embed.weight:
+                raise FingerprintMismatchError(
+                    f"'{name}' shares its weight with the input embedding, so editing it would change the "
+                    f"embedding too; untie it first with ModelAdapter.for_model(model).untie_lm_head()")
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module, verify: bool = True) -> Undo:
+        """Add the deltas to the model's weights in place (one float64 add, one cast) and return the Undo.
+
+        The Undo is also attached to the model so that `revert(model)` needs no argument. With verify=True the
+        model must carry exactly the weights the edit was computed for.
+        """
+        self._check_untied(model)
+        if verify:
+            found = weights_fingerprint(model)
+            if found != self.base_fingerprint:
+                raise FingerprintMismatchError(
+                    f"edit {self.edit_id} was computed for model {self.base_fingerprint[:12]}, this model is "
+                    f"{found[:12]}; compute a new edit on this model (or revert the edits applied since)")
+        pairs = list(self._weights(model))  # check every shape before changing anything
+        undo = Undo(edit_id=self.edit_id, base_fingerprint=self.base_fingerprint, post_fingerprint="")
+        for delta, weight in pairs:
+            idx_parts, val_parts = [], []
+            step = _row_chunk(delta)
+            for start in range(0, delta.shape[0], step):
+                stop = min(start + step, delta.shape[0])
+                p = delta.rows(start, stop).to(weight.device)
+                old = weight[start:stop].clone()
+                new = (old.double() + p).to(weight.dtype)
+                back = (new.double() - p).to(weight.dtype)
+                miss = (_bits(back) != _bits(old)).flatten().nonzero().flatten()
+                idx_parts.append((miss + start * delta.shape[1]).cpu())
+                val_parts.append(old.flatten()[miss].cpu())
+                weight[start:stop] = new
+            undo.indices[delta.name] = torch.cat(idx_parts)
+            undo.values[delta.name] = torch.cat(val_parts)
+        undo.post_fingerprint = weights_fingerprint(model) if verify else ""
+        model.__dict__.setdefault("_grom_undo", {})[self.edit_id] = undo
+        log.debug("applied edit %s to %d modules", self.edit_id, len(pairs))
+        return undo
+
+    @torch.no_grad()
+    def revert(self, model: nn.Module, undo: Undo | None = None, verify: bool = True) -> None:
+        """Restore the weights the edit was applied to, bit for bit.
+
+        `undo` defaults to the one `apply` attached to this model; pass a loaded Undo to revert in another process.
+        """
+        undo = undo or model.__dict__.get("_grom_undo", {}).get(self.edit_id)
+        if undo is None or undo.edit_id != self.edit_id:
+            raise FingerprintMismatchError(f"no undo record of edit {self.edit_id} on this model; pass the Undo "
+                                           f"that apply() returned (Undo.load(path) in another process)")
+        if verify and undo.post_fingerprint:
+            found = weights_fingerprint(model)
+            if found != undo.post_fingerprint:
+                raise FingerprintMismatchError(
+                    f"the model changed after edit {self.edit_id} was applied ({found[:12]} is not "
+                    f"{undo.post_fingerprint[:12]}); revert later edits first")
+        for delta, weight in list(self._weights(model)):
+            step = _row_chunk(delta)
+            for start in range(0, delta.shape[0], step):
+                stop = min(start + step, delta.shape[0])
+                p = delta.rows(start, stop).to(weight.device)
+                weight[start:stop] = (weight[start:stop].double() - p).to(weight.dtype)
+            flat_idx = undo.indices[delta.name].to(weight.device)
+            if flat_idx.numel():
+                rows, cols = flat_idx // delta.shape[1], flat_idx % delta.shape[1]
+                weight[rows, cols] = undo.values[delta.name].to(weight.device)
+        if verify and weights_fingerprint(model) != self.base_fingerprint:
+            raise RuntimeError(f"revert of edit {self.edit_id} did not restore the base weights")  # a bug, not input
+        model.__dict__.get("_grom_undo", {}).pop(self.edit_id, None)
+        log.debug("reverted edit %s", self.edit_id)
+
+    @contextmanager
+    def applied(self, model: nn.Module, verify: bool = True) -> Iterator[Undo]:
+        """Apply for the duration of a `with` block, revert on exit (even on error)."""
+        undo = self.apply(model, verify=verify)
+        try:
+            yield undo
+        finally:
+            self.revert(model, undo, verify=verify)
+
+    # -- persistence --------------------------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        return {
+            "format_version": FORMAT_VERSION, "edit_id": self.edit_id, "base_fingerprint": self.base_fingerprint,
+            "params": self.params, "metadata": self.metadata,
+            "modules": [{"name": d.name, "shape": list(d.shape), "factored": d.factored, "rank_bound": d.rank_bound,
+                         "frobenius_norm": d.frobenius_norm()} for d in self.deltas.values()],
+        }
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `edit.safetensors` (the factors) and `edit.json` (the manifest) into `directory`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for delta in self.deltas.values():
+            tensors.update(delta.tensors())
+        save_file(tensors, str(directory / "edit.safetensors"))
+        (directory / "edit.json").write_text(json.dumps(self.manifest(), indent=2, default=str))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Edit:
+        directory = Path(directory)
+        manifest = json.loads((directory / "edit.json").read_text())
+        tensors = load_file(str(directory / "edit.safetensors"))
+        deltas = {}
+        for entry in manifest["modules"]:
+            name, shape = entry["name"], tuple(entry["shape"])
+            if entry["factored"]:
+                deltas[name] = ModuleDelta(name, shape, left=tensors[f"{name}::left"], right=tensors[f"{name}::right"])
+            else:
+                deltas[name] = ModuleDelta(name, shape, dense=tensors[f"{name}::dense"])
+        edit = cls(deltas=deltas, base_fingerprint=manifest["base_fingerprint"], params=manifest["params"],
+                   metadata=manifest["metadata"])
+        if edit.edit_id != manifest["edit_id"]:
+            raise FingerprintMismatchError(f"{directory}: the factors do not match the manifest's edit id "
+                                           f"{manifest['edit_id']} (corrupted or mixed files)")
+        return edit

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny real models built in the test session (no network, no downloads)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from grom_core.benchmarks.authors import author_questions, make_authors, qa_pairs  # noqa: E402
+from grom_core.finetune import TinyModelConfig, TrainConfig, train_tiny_model, train_tokenizer  # noqa: E402
+from grom_core.loading import load_model  # noqa: E402
+
+# The memorisation fixture: 8 authors x 8 questions, 2 authors forgotten. Trains in about 10 s on 2 cores.
+AUTHORS = make_authors(8, seed=1)
+FORGET = [ex for a in AUTHORS[:2] for ex in author_questions(a)]
+RETAIN = [ex for a in AUTHORS[2:] for ex in author_questions(a)]
+MODEL_CONFIG = TinyModelConfig(vocab_size=400, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+                               max_length=96)
+TRAIN_CONFIG = TrainConfig(epochs=60, lr=3e-3, batch_size=16)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer([f"Question: {e.question}\nAnswer: {e.answer}" for e in qa_pairs(AUTHORS)], 400)
+
+
+@pytest.fixture(scope="session")
+def trained_dir(tmp_path_factory):
+    torch.set_num_threads(2)
+    return train_tiny_model(qa_pairs(AUTHORS), tmp_path_factory.mktemp("models"), model_config=MODEL_CONFIG,
+                            train_config=TRAIN_CONFIG)
+
+
+@pytest.fixture()
+def trained(trained_dir):
+    """(model, tokenizer) freshly loaded for each test, so no test sees another's edits."""
+    return load_model(trained_dir, device="cpu")
+
+
+def random_llama(tokenizer, seed=0, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+               pad_token_id=tokenizer.pad_token_id)
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+def random_gpt2(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=3, n_head=4, n_positions=128,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture()
+def tiny_llama(tokenizer):
+    return random_llama(tokenizer)
+
+
+@pytest.fixture()
+def tiny_gpt2(tokenizer):
+    return random_gpt2(tokenizer)

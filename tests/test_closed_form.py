@@ -1,0 +1,122 @@
+import time
+
+import pytest
+import torch
+from conftest import FORGET, RETAIN
+
+from grom_core.adapter import ModelAdapter
+from grom_core.capture import collect
+from grom_core.closed_form import GromParams, compute_edit, run_grom
+from grom_core.data import make_batches
+from grom_core.errors import DataError, FingerprintMismatchError, UnsupportedArchitectureError
+from grom_core.fingerprint import weights_fingerprint
+from grom_core.influence import leave_one_out
+from grom_core.scoring import answer_probability
+
+
+def test_one_call_edit_forgets_and_keeps_retain(trained, capsys):
+    model, tokenizer = trained
+    forget_before = answer_probability(model, tokenizer, FORGET)
+    retain_before = answer_probability(model, tokenizer, RETAIN)
+    assert forget_before.mean() > 0.9 and retain_before.mean() > 0.9  # the model did memorise
+    fingerprint = weights_fingerprint(model)
+
+    start = time.perf_counter()
+    run = run_grom(model, tokenizer, FORGET, RETAIN)
+    seconds = time.perf_counter() - start
+    assert weights_fingerprint(model) == fingerprint  # computing the edit leaves the model unchanged
+    assert run.edit.base_fingerprint == fingerprint
+    assert run.edit.modules[-1] == "lm_head" and len(run.edit.modules) == 3
+
+    with run.edit.applied(model):
+        forget_after = answer_probability(model, tokenizer, FORGET)
+        retain_after = answer_probability(model, tokenizer, RETAIN)
+    ratio = float(forget_before.mean() / forget_after.mean())
+    retain_change = float(retain_after.mean() / retain_before.mean() - 1)
+    with capsys.disabled():
+        print(f"\n[figures] GROM on the tiny Llama: edit {seconds:.3f} s, forget probability "
+              f"{forget_before.mean():.3f} -> {forget_after.mean():.4f} (x{ratio:.1f} lower), retain "
+              f"{retain_before.mean():.3f} -> {retain_after.mean():.3f} ({100 * retain_change:+.1f}%), "
+              f"layers {run.layers}, stages {({k: round(v, 3) for k, v in run.timings_s.items()})}")
+    assert ratio >= 10
+    assert abs(retain_change) <= 0.10
+    assert weights_fingerprint(model) == fingerprint
+
+
+def test_influence_covers_every_forget_example_and_matches_the_contract(trained):
+    model, tokenizer = trained
+    run = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(layers=(2,)))
+    for name, report in run.influence.items():
+        assert report.example_ids.tolist() == list(range(len(FORGET)))
+        assert (report.norms > 0).all() and not report.flagged.any()
+        rec, stats = run.records[name], run.retain_stats[name]
+        direct = leave_one_out(rec.keys, rec.targets, stats.gram, stats.count, rec.example_ids,
+                               w_retain=GromParams().w_retain, ridge=rec.ridge)
+        assert direct == pytest.approx(report.as_dict(), rel=1e-9)
+
+
+def test_cached_retain_statistics_give_the_same_edit(trained):
+    model, tokenizer = trained
+    params = GromParams(layers=(1, 2), influence=False)
+    first = run_grom(model, tokenizer, FORGET, RETAIN, params)
+    second = run_grom(model, tokenizer, FORGET, RETAIN, params, retain_stats=first.retain_stats)
+    assert second.edit.edit_id == first.edit.edit_id
+    assert "retain_statistics" in second.timings_s
+    with first.edit.applied(model), pytest.raises(FingerprintMismatchError, match="recompute"):
+        run_grom(model, tokenizer, FORGET, RETAIN, params, retain_stats=first.retain_stats)
+
+
+def test_parallel_strategy_and_manual_layers(trained):
+    model, tokenizer = trained
+    edit = compute_edit(model, tokenizer, FORGET[:8], RETAIN, GromParams(layers=(3,), strategy="parallel",
+                                                                          edit_lm_head=False, influence=False))
+    assert edit.modules == ["model.layers.3.mlp.down_proj"]
+    assert edit.params["strategy"] == "parallel" and edit.params["layers"] == [3]
+    with pytest.raises(DataError, match="layers"):
+        compute_edit(model, tokenizer, FORGET, RETAIN, GromParams(layers=(7,)))
+
+
+def test_corruption_target_moves_the_layer_output_towards_the_random_direction(trained):
+    model, tokenizer = trained
+    params = GromParams(target="corrupt", layers=(2,), influence=False, corrupt_coefficient=20.0)
+    run = run_grom(model, tokenizer, FORGET, RETAIN, params)
+    assert run.edit.modules == ["model.layers.2.mlp.down_proj"]
+    from grom_core.targets import random_direction
+
+    goal = 20.0 * random_direction(128, params.seed + 2)
+    forget_batches, retain_batches = make_batches(tokenizer, FORGET), make_batches(tokenizer, RETAIN)
+
+    def outputs(batches):
+        return collect(model, batches, outputs=["model.layers.2"]).outputs["model.layers.2"].double()
+
+    forget_before, retain_before = outputs(forget_batches), outputs(retain_batches)
+    with run.edit.applied(model):
+        forget_after, retain_after = outputs(forget_batches), outputs(retain_batches)
+    closer = 1 - (forget_after - goal).norm(dim=1).mean() / (forget_before - goal).norm(dim=1).mean()
+    assert closer > 0.2
+    forget_move = (forget_after - forget_before).norm(dim=1).mean()
+    retain_move = (retain_after - retain_before).norm(dim=1).mean()
+    assert forget_move > 2 * retain_move
+
+
+def test_gpt2_with_a_tied_head_must_be_untied_explicitly(tiny_gpt2, tokenizer):
+    with pytest.raises(UnsupportedArchitectureError, match="untie_lm_head"):
+        run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8])
+    ModelAdapter.for_model(tiny_gpt2).untie_lm_head()
+    run = run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8], GromParams(band_width=1))
+    before = {k: v.clone() for k, v in tiny_gpt2.state_dict().items()}
+    with run.edit.applied(tiny_gpt2):
+        assert not torch.equal(tiny_gpt2.lm_head.weight, before["lm_head.weight"])
+        assert torch.equal(tiny_gpt2.transformer.wte.weight, before["transformer.wte.weight"])
+
+
+def test_bad_inputs(trained):
+    model, tokenizer = trained
+    with pytest.raises(DataError, match="no examples"):
+        run_grom(model, tokenizer, [], RETAIN)
+    with pytest.raises(DataError, match="empty"):
+        run_grom(model, tokenizer, [{"text": "  "}], RETAIN)
+    with pytest.raises(DataError, match="neither"):
+        run_grom(model, tokenizer, [{"prompt": "x"}], RETAIN)
+    with pytest.raises(ValueError, match="strategy"):
+        run_grom(model, tokenizer, FORGET, RETAIN, GromParams(strategy="random"))

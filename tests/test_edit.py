@@ -1,0 +1,127 @@
+import pytest
+import torch
+from conftest import FORGET, RETAIN
+
+from grom_core.adapter import ModelAdapter, weight_out_in
+from grom_core.capture import collect
+from grom_core.data import make_batches
+from grom_core.edit import Edit, ModuleDelta, Undo
+from grom_core.errors import FingerprintMismatchError
+from grom_core.fingerprint import weights_fingerprint
+from grom_core.solver import solve_factors
+from grom_core.statistics import accumulate
+
+
+def random_edit(model, names, scale=1e-2, rank=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    deltas = {}
+    for name in names:
+        m, n = weight_out_in(model.get_submodule(name)).shape
+        left = scale * torch.randn(m, rank, generator=gen, dtype=torch.float64)
+        deltas[name] = ModuleDelta.from_factors(name, left, torch.randn(rank, n, generator=gen, dtype=torch.float64))
+    return Edit(deltas=deltas, base_fingerprint=weights_fingerprint(model), params={"kind": "random"})
+
+
+def state_bits(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bit_identical(before, model):
+    after = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype.is_floating_point else v,
+                           after[k].view(torch.uint8) if v.dtype.is_floating_point else after[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_then_revert_restores_every_bit(tiny_llama, dtype):
+    model = tiny_llama.to(dtype)
+    adapter = ModelAdapter.for_model(model)
+    edit = random_edit(model, adapter.down_proj_names[:2] + [adapter.lm_head_name], scale=0.3)
+    before = state_bits(model)
+    undo = edit.apply(model)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert undo.post_fingerprint != edit.base_fingerprint
+    edit.revert(model)
+    assert_bit_identical(before, model)
+
+
+def test_apply_changes_weights_by_the_delta_conv1d(tiny_gpt2):
+    adapter = ModelAdapter.for_model(tiny_gpt2)
+    name = adapter.down_proj_names[1]
+    edit = random_edit(tiny_gpt2, [name])
+    w0 = weight_out_in(tiny_gpt2.get_submodule(name)).detach().double().clone()
+    before = state_bits(tiny_gpt2)
+    with edit.applied(tiny_gpt2):
+        w1 = weight_out_in(tiny_gpt2.get_submodule(name)).detach().double()
+        assert torch.allclose(w1 - w0, edit.deltas[name].full(), atol=1e-6)  # [out, in] even for Conv1D
+    assert_bit_identical(before, tiny_gpt2)
+
+
+def test_refuses_another_model_and_a_tied_head(tiny_llama, tiny_gpt2):
+    edit = random_edit(tiny_llama, ["lm_head"])
+    tiny_llama.model.norm.weight.data[0] += 1.0
+    with pytest.raises(FingerprintMismatchError, match="computed for model"):
+        edit.apply(tiny_llama)
+    tied = random_edit(tiny_gpt2, ["lm_head"])
+    with pytest.raises(FingerprintMismatchError, match="untie"):
+        tied.apply(tiny_gpt2)
+
+
+def test_revert_refuses_after_later_changes_and_works_from_a_saved_undo(tiny_llama, tmp_path):
+    edit = random_edit(tiny_llama, ["model.layers.0.mlp.down_proj"])
+    before = state_bits(tiny_llama)
+    undo = edit.apply(tiny_llama)
+    undo.save(tmp_path / "undo.safetensors")
+    second = random_edit(tiny_llama, ["lm_head"], seed=1)
+    second.apply(tiny_llama)
+    with pytest.raises(FingerprintMismatchError, match="revert later edits first"):
+        edit.revert(tiny_llama)
+    second.revert(tiny_llama)
+    tiny_llama.__dict__.pop("_grom_undo")  # as in a new process: only the saved undo is left
+    with pytest.raises(FingerprintMismatchError, match="Undo.load"):
+        edit.revert(tiny_llama)
+    edit.revert(tiny_llama, Undo.load(tmp_path / "undo.safetensors"))
+    assert_bit_identical(before, tiny_llama)
+
+
+def test_save_load_round_trip_and_storage_choice(tiny_llama, tmp_path):
+    edit = random_edit(tiny_llama, ["lm_head", "model.layers.2.mlp.down_proj"])
+    wide = ModuleDelta.from_factors("x", torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    assert not wide.factored and edit.deltas["lm_head"].factored  # rank 3 of 400 x 32 is smaller factored
+    assert edit.deltas["lm_head"].frobenius_norm() == pytest.approx(
+        float(torch.linalg.matrix_norm(edit.deltas["lm_head"].full())), rel=1e-10)
+    back = Edit.load(edit.save(tmp_path / "edit"))
+    assert back.edit_id == edit.edit_id and back.base_fingerprint == edit.base_fingerprint
+    assert back.params == edit.params
+    for name in edit.deltas:
+        assert torch.equal(back.deltas[name].full(), edit.deltas[name].full())
+    (tmp_path / "edit" / "edit.json").write_text((tmp_path / "edit" / "edit.json").read_text().replace(
+        edit.edit_id, "0" * 16))
+    with pytest.raises(FingerprintMismatchError, match="do not match"):
+        Edit.load(tmp_path / "edit")
+
+
+def test_edited_outputs_move_on_forget_keys_more_than_on_retain_keys(trained):
+    tiny_llama, tokenizer = trained
+    name = "model.layers.2.mlp.down_proj"
+    forget_keys = collect(tiny_llama, make_batches(tokenizer, FORGET), inputs=[name]).inputs[name].double().T
+    retain_batches = make_batches(tokenizer, RETAIN)
+    stats = accumulate(tiny_llama, retain_batches, [name])[name]
+    targets = -torch.ones(weight_out_in(tiny_llama.get_submodule(name)).shape[0], forget_keys.shape[1],
+                          dtype=torch.float64)
+    retain_before = collect(tiny_llama, retain_batches, outputs=[name]).outputs[name]
+    forget_before = collect(tiny_llama, make_batches(tokenizer, FORGET), outputs=[name]).outputs[name]
+
+    def moves(w_retain):
+        left, right, _ = solve_factors(forget_keys, targets, stats.gram, stats.count, w_retain=w_retain, ridge=1e-4)
+        edit = Edit({name: ModuleDelta.from_factors(name, left, right)}, weights_fingerprint(tiny_llama))
+        with edit.applied(tiny_llama):
+            retain_after = collect(tiny_llama, retain_batches, outputs=[name]).outputs[name]
+            forget_after = collect(tiny_llama, make_batches(tokenizer, FORGET), outputs=[name]).outputs[name]
+        return (forget_after - forget_before).norm(dim=1).mean(), (retain_after - retain_before).norm(dim=1).mean()
+
+    forget_move, retain_move = moves(10.0)
+    assert forget_move > 2 * retain_move
+    forget_strict, retain_strict = moves(1000.0)
+    assert retain_strict < retain_move / 2  # the retain weight does what it says

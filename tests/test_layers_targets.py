@@ -1,0 +1,82 @@
+import pytest
+import torch
+from conftest import FORGET, RETAIN
+
+from grom_core.adapter import ModelAdapter
+from grom_core.capture import collect
+from grom_core.data import iter_answer_tokens, make_batches
+from grom_core.layers import choose_band, score_layers
+from grom_core.targets import (
+    lm_head_suppression,
+    random_direction,
+    representation_corruption,
+    residual_suppression,
+    specificity_weights,
+)
+
+
+def test_specificity_weights_by_hand():
+    a = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5)
+    # f = (0, 2/3, 1/3, 0, 0), r = (0, 0, 1/4, 3/4, 0)
+    assert a.tolist() == pytest.approx([0.0, 1.0, (1 / 3) / (1 / 3 + 1 / 4), 0.0, 0.0])
+    sharp = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5, sharpness=2.0, threshold=0.5)
+    assert sharp.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0])  # (4/7)^2 = 0.33 < 0.5
+    smooth = specificity_weights([1], [], vocab_size=2, smoothing=1.0)
+    assert smooth[1] == pytest.approx(1 / (1 + 0.5))
+
+
+def test_lm_head_suppression_by_hand():
+    d = lm_head_suppression(torch.tensor([2, 0, 2]), torch.tensor([1.0, 0.5, 2.0]), vocab_size=4)
+    expected = torch.zeros(4, 3, dtype=torch.float64)
+    expected[2, 0], expected[0, 1], expected[2, 2] = -1.0, -0.5, -2.0
+    assert torch.equal(d, expected)
+
+
+def test_residual_suppression_drops_the_logit_lens_by_the_asked_amount():
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    tokens, drops, scale = torch.tensor([3, 7, 3]), torch.tensor([2.0, 0.5, 1.0]), torch.tensor([1.5, 0.7, 3.0])
+    d = residual_suppression(tokens, drops, u, scale)
+    assert d.shape == (6, 3)
+    lens = (u[tokens] * d.T).sum(1) / scale
+    assert lens.tolist() == pytest.approx((-drops).tolist())
+
+
+def test_representation_corruption_moves_outputs_to_c_u():
+    h = torch.randn(5, 8, dtype=torch.float64)
+    d = representation_corruption(h, coefficient=6.5, seed=3)
+    u = random_direction(8, 3)
+    assert torch.allclose(h + d.T, 6.5 * u.expand(5, 8))
+    assert u.norm() == pytest.approx(1.0) and (u >= 0).all()
+    assert torch.equal(u, random_direction(8, 3)) and not torch.equal(u, random_direction(8, 4))
+
+
+def test_a_planted_layer_is_found(tiny_llama, tokenizer):
+    adapter = ModelAdapter.for_model(tiny_llama)
+    forget_batches, retain_batches = make_batches(tokenizer, FORGET), make_batches(tokenizer, RETAIN)
+    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches),
+                                  len(tokenizer))
+    planted = 1
+    name = adapter.down_proj_names[planted]
+    # Plant: layer 1's MLP now writes the forget-specific tokens' unembedding directions on every input.
+    acts = collect(tiny_llama, forget_batches + retain_batches, inputs=[name]).inputs[name].double()
+    w = acts.mean(0)
+    specific = torch.nonzero(weights > 0.9).flatten()
+    v = adapter.unembedding()[specific].sum(0)
+    with torch.no_grad():
+        module = tiny_llama.get_submodule(name)
+        module.weight += (3.0 * torch.outer(v / v.norm(), w / w.norm().pow(2))).float()
+    scores = score_layers(tiny_llama, adapter, forget_batches, retain_batches, weights)
+    assert int(scores.score.argmax()) == planted
+    assert choose_band(scores.score, 1, late_fraction=1.0) == [planted]
+    assert scores.as_rows()[planted]["score"] == pytest.approx(float(scores.score[planted]))
+
+
+def test_choose_band():
+    s = torch.tensor([5.0, 0.0, 1.0, 2.0, 2.0, 0.5])
+    assert choose_band(s, 2, late_fraction=1.0) == [0, 1]  # 2.5 beats 2.0
+    assert choose_band(s, 2, late_fraction=0.75) == [3, 4]  # layers 0-1 are not late
+    assert choose_band(s, 6) == [0, 1, 2, 3, 4, 5]
+    assert choose_band(torch.zeros(4), 2) == [2, 3]  # ties go to the later band
+    with pytest.raises(ValueError, match="band width"):
+        choose_band(s, 7)
