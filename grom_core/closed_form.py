@@ -73,9 +73,9 @@ class GromParams:
     late_fraction: float = 0.75
     edit_lm_head: bool = True
     target: str = "suppress"
-    beta: float = 30.0
-    sharpness: float = 1.0
-    threshold: float = 0.0
+    beta: float = 40.0
+    sharpness: float = 2.0
+    threshold: float = 0.5
     smoothing: float = 1.0
     w_forget: float = 1.0
     w_retain: float = 10.0

@@ -1,0 +1,36 @@
+"""The workspace: one folder that holds everything a run writes (default ./.grom, or GROM_HOME, or --home)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from grom_core.errors import GromError
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    @classmethod
+    def resolve(cls, home: str | Path | None = None) -> Workspace:
+        """--home wins over GROM_HOME, which wins over ./.grom. The folder is created and must be writable."""
+        root = Path(home or os.environ.get("GROM_HOME") or Path.cwd() / ".grom").expanduser().resolve()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / ".write-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise GromError(f"workspace {root} is not writable ({exc.strerror}); pass --home DIR or set GROM_HOME "
+                            f"to a writable folder") from exc
+        return cls(root)
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def edits(self) -> Path:
+        return self.root / "edits"

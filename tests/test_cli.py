@@ -1,0 +1,38 @@
+"""The `grom` console script as a user runs it: JSON on stdout, logs on stderr, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def grom(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
+
+
+def test_demo_json(tmp_path):
+    done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)  # exactly one JSON object, nothing else on stdout
+    assert result["method"] == "grom" and len(result["edit_id"]) == 16
+    before, after = result["metrics"]["before"], result["metrics"]["after"]
+    assert after["forget_probability"] < before["forget_probability"] / 5
+    assert after["retain_probability"] > 0.9 * before["retain_probability"]
+    assert (tmp_path / "ws" / "edits" / result["edit_id"] / "edit.json").exists()
+    assert result["timings_s"]["total"] >= result["timings_s"]["edit"] > 0
+
+
+def test_workspace_that_is_a_file_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    done = grom("demo", "--home", str(blocker / "ws"))
+    assert done.returncode == 2
+    assert "not writable" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bad_option_is_a_usage_error(tmp_path):
+    done = grom("demo", "--authors", "2", "--home", str(tmp_path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    done = grom("demo", "--authors", "4", "--forget-authors", "4", "--home", str(tmp_path))
+    assert done.returncode == 2 and "must be smaller" in done.stderr
