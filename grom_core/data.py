@@ -6,7 +6,6 @@ on every token after the first. Keys are captured where the *next* token is supe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -149,7 +148,3 @@ def iter_answer_tokens(batches: Sequence[Batch]) -> Iterator[int]:
     for batch in batches:
         supervised = batch.labels[:, 1:]
         yield from supervised[supervised != IGNORE_INDEX].tolist()
-
-
-def num_batches(n_examples: int, batch_size: int) -> int:
-    return math.ceil(n_examples / batch_size)

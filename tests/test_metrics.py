@@ -1,0 +1,112 @@
+"""Metrics against hand-computed values and against the real TOFU evaluation logs."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grom_core.errors import DataError
+from grom_core.metrics import muse, tofu, wmdp
+from grom_core.metrics.rouge import rouge_l_f1, rouge_l_recall
+from grom_core.metrics.tofu_logs import read_tofu_log, tofu_score, write_reference
+
+LOGS = Path(__file__).resolve().parents[1] / "data" / "tofu" / "eval-logs"
+
+
+def test_probability_and_normalised_probability():
+    assert tofu.probability([0.0, math.log(2)]).tolist() == pytest.approx([1.0, 0.5])
+    # p_true = 0.5, perturbed 0.25 and 0.25 -> 0.5 / (0.5 + 0.5)
+    got = tofu.normalized_probability([math.log(2)], [[math.log(4), math.log(4)]])
+    assert got.tolist() == pytest.approx([0.5])
+
+
+def test_truth_ratio_and_both_aggregators():
+    # P(para) = 0.5; perturbed 0.25 and 0.0625 -> GM = 0.125 -> R = 0.25
+    r = tofu.truth_ratio([math.log(2)], [[math.log(4), math.log(16)]])
+    assert r.tolist() == pytest.approx([0.25])
+    assert tofu.truth_ratio_forget([0.25, 2.0]) == pytest.approx((0.25 + 0.5) / 2)
+    assert tofu.truth_ratio_retain([0.25, 2.0]) == pytest.approx((0.75 + 0.0) / 2)
+
+
+def test_forget_quality_and_model_utility():
+    same = tofu.forget_quality([0.1, 0.2, 0.3], [0.1, 0.2, 0.3])
+    assert same.pvalue == pytest.approx(1.0) and same.n == 3 and same.n_reference == 3
+    apart = tofu.forget_quality(np.linspace(0, 1, 20), np.linspace(5, 6, 20))
+    assert apart.statistic == 1.0 and apart.pvalue < 1e-9
+    parts = {f"{s}_{p}": 0.5 for s in tofu.UTILITY_SETS for p in tofu.UTILITY_PARTS}
+    assert tofu.model_utility(parts) == pytest.approx(0.5)
+    parts["world_facts_truth_ratio"] = 0.25  # 9 / (8 * 2 + 4) = 0.45
+    assert tofu.model_utility(parts) == pytest.approx(9 / 20)
+    parts["retain_probability"] = 0.0
+    assert tofu.model_utility(parts) == 0.0
+    with pytest.raises(KeyError, match="missing"):
+        tofu.model_utility({"retain_probability": 1.0})
+
+
+def test_summary_says_why_forget_quality_is_missing():
+    s = tofu.SetScores("forget", np.zeros(2), np.zeros(2), np.ones((2, 3)), np.ones(2), ["", ""])
+    out = tofu.tofu_summary({"forget": s}, None)
+    assert out["forget_quality"] is None and "retain-model reference" in out["forget_quality_unavailable"]
+    out = tofu.tofu_summary({"forget": s}, s.truth_ratios())
+    assert out["forget_quality"] == pytest.approx(1.0) and out["forget_quality_n"] == 2
+
+
+def test_rouge_by_hand():
+    # reference 4 tokens, LCS "the cat sat" = 3 -> recall 3/4; prediction 5 tokens -> precision 3/5
+    assert rouge_l_recall(["the cat quickly sat down"], ["the cat sat there"]).tolist() == pytest.approx([0.75])
+    f1 = 2 * 0.75 * 0.6 / (0.75 + 0.6)
+    assert rouge_l_f1(["the cat quickly sat down"], ["the cat sat there"]).tolist() == pytest.approx([f1])
+    assert rouge_l_recall(["writing"], ["writes"]).tolist() == [1.0]  # stemming
+
+
+def test_muse_min_k_auc_privleak():
+    assert muse.min_k_score([-1.0, -5.0, -2.0, -0.5, -3.0], k=0.4) == pytest.approx(-4.0)  # lowest 2
+    assert muse.min_k_score([-2.0], k=0.4) == -2.0
+    assert muse.auc([3, 4], [1, 2]) == 1.0 and muse.auc([1, 2], [3, 4]) == 0.0
+    assert muse.auc([1, 3], [2, 2]) == pytest.approx(0.5) and muse.auc([2], [2]) == 0.5
+    assert muse.priv_leak(0.5, 0.5) == 0.0
+    assert muse.priv_leak(0.9, 0.6) == pytest.approx((0.1 - 0.4) / 0.4 * 100)  # still memorised: negative
+    assert "Question: q2\nAnswer:" in muse.few_shot_prompt([("q1", "a1")], "q2")
+
+
+def test_wmdp_accuracy():
+    assert wmdp.accuracy([[0.0, -1.0], [-3.0, -2.0], [-1.0, -0.5]], [0, 1, 0]) == pytest.approx(2 / 3)
+
+
+def test_tofu_score_reproduces_the_published_llama2_figures():
+    full = read_tofu_log(LOGS / "llama2-7b_full.json")
+    retain = read_tofu_log(LOGS / "llama2-7b_retain90.json")
+    assert full.layout == "tofu" and full.forget_truth_ratios.size == 300
+    scores = tofu_score(full, retain)
+    assert scores["forget_quality"] == pytest.approx(1.8e-21, rel=0.05)
+    assert scores["forget_quality_n"] == 300
+    assert scores["model_utility"] == pytest.approx(0.62, abs=0.005)
+    assert tofu_score(retain, retain)["model_utility"] == pytest.approx(0.61, abs=0.005)
+    assert tofu_score(retain, retain)["forget_quality"] == pytest.approx(1.0)
+
+
+def test_reference_written_in_open_unlearning_layout_reads_back(tmp_path):
+    full = read_tofu_log(LOGS / "llama2-7b_full.json")
+    path = write_reference(tmp_path / "ref.json", full.metrics, full.forget_truth_ratios)
+    back = read_tofu_log(path)
+    assert back.layout == "open-unlearning"
+    assert np.allclose(back.forget_truth_ratios, full.forget_truth_ratios)
+    assert back.metrics["retain_probability"] == pytest.approx(full.metrics["retain_probability"])
+    assert tofu_score(back, read_tofu_log(LOGS / "llama2-7b_retain90.json"))["model_utility"] == pytest.approx(
+        0.6227, abs=1e-3)
+
+
+def test_bad_logs_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_tofu_log(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        read_tofu_log(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"accuracy": 1}))
+    with pytest.raises(DataError, match="eval_log_aggregated"):
+        read_tofu_log(tmp_path / "other.json")
+    (tmp_path / "partial.json").write_text(json.dumps({"eval_log_forget.json": {"avg_gt_loss": {}}}))
+    with pytest.raises(DataError, match="lacks"):
+        read_tofu_log(tmp_path / "partial.json")
