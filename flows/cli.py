@@ -63,6 +63,114 @@ def demo(
     _emit(result, as_json, table)
 
 
+benchmark_app = typer.Typer(no_args_is_help=True, help="Shipped benchmarks: build splits and models.")
+app.add_typer(benchmark_app, name="benchmark")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+HomeOpt = Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")]
+
+
+@benchmark_app.command("build")
+def benchmark_build(
+    name: Annotated[str, typer.Argument(help="minitofu, minimuse or miniwmdp.")],
+    out: Annotated[str | None, typer.Option(help="Output folder (default <workspace>/benchmarks).")] = None,
+    split: Annotated[str | None, typer.Option(help="Forget split the retain model leaves out.")] = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write the benchmark's splits (JSONL) and train its target and retain models (cached)."""
+    from flows.evaluation import build_benchmark
+
+    _setup_logging(True)
+    built = build_benchmark(name, out, home, split)
+    table = Table(title=f"{name} ({built.split})")
+    table.add_column("item")
+    table.add_column("path")
+    for key, path in {**built.splits, **{f"model: {k}": v for k, v in built.models.items()}}.items():
+        table.add_row(key, str(path))
+    _emit(built.as_json(), as_json, table)
+
+
+@app.command()
+def evaluate(
+    model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors).")],
+    benchmark: Annotated[str, typer.Option(help="minitofu, minimuse, miniwmdp, or tofu (real files).")],
+    split: Annotated[str | None, typer.Option(help="Forget split (default: the benchmark's).")] = None,
+    retain_reference: Annotated[str | None, typer.Option(help="Per-question values of the retain model.")] = None,
+    save_reference: Annotated[str | None, typer.Option(help="Write this model's per-question values here.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="Folder of the real TOFU files (--benchmark tofu).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Generation length for ROUGE.")] = 200,
+    batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """All metrics of a benchmark for one model."""
+    from flows.evaluation import evaluate_model
+
+    _setup_logging(True)
+    result = evaluate_model(model, benchmark, split=split, reference=retain_reference,
+                            save_reference=save_reference, data_dir=data_dir, home=home,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size)
+    table = Table(title=f"{benchmark} {result['split']}: {model}")
+    table.add_column("metric")
+    table.add_column("value")
+    for key, value in result["metrics"].items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    table.caption = f"n = {result['n']}, {result['seconds']:.1f} s"
+    _emit({k: v for k, v in result.items() if k != "per_question"} | {"per_question": result["per_question"]},
+          as_json, table)
+
+
+@app.command()
+def finetune(
+    data: Annotated[str, typer.Option(help="QA pairs or texts: JSON, JSONL, Parquet or CSV.")],
+    out: Annotated[str, typer.Option(help="Output model directory.")],
+    base: Annotated[str | None, typer.Option(help="Continue training this local checkpoint.")] = None,
+    epochs: Annotated[int, typer.Option(min=1)] = 40,
+    lr: Annotated[float, typer.Option(min=0.0)] = 3e-3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    seed: int = 0,
+    hidden_size: Annotated[int, typer.Option(min=8, help="Tiny model width (without --base).")] = 128,
+    layers: Annotated[int, typer.Option(min=1, help="Tiny model depth (without --base).")] = 4,
+    vocab_size: Annotated[int, typer.Option(min=300, help="BPE vocabulary (without --base).")] = 600,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a causal LM on QA pairs or raw text (a tiny Llama from scratch, or continue a local checkpoint)."""
+    from flows.evaluation import finetune_command
+    from grom_core.finetune import TinyModelConfig, TrainConfig
+
+    _setup_logging(True)
+    train = TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, seed=seed)
+    shape = TinyModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                            num_layers=layers)
+    result = finetune_command(data, out, base, train, shape)
+    table = Table(title="finetune")
+    table.add_column("item")
+    table.add_column("value")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    _emit(result, as_json, table)
+
+
+@app.command("tofu-score")
+def tofu_score(
+    model_logs: Annotated[str, typer.Argument(help="eval_log_aggregated.json or TOFU_EVAL.json of the model.")],
+    retain: Annotated[str, typer.Option(help="The same for the retain model.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Forget Quality, Model Utility and its nine parts from TOFU evaluation logs."""
+    from flows.evaluation import tofu_score_command
+
+    _setup_logging(False)
+    result = tofu_score_command(model_logs, retain)
+    table = Table(title="TOFU")
+    table.add_column("metric")
+    table.add_column("value")
+    for key, value in result.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    _emit(result, as_json, table)
+
+
 def main() -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2, never a traceback."""
     try:

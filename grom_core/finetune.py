@@ -121,9 +121,48 @@ def finetune(model: torch.nn.Module, tokenizer, examples: Sequence[Example], con
     return losses
 
 
-def training_digest(examples: Sequence[Example], model_config: TinyModelConfig, train_config: TrainConfig) -> str:
-    records = [{"model": asdict(model_config), "train": asdict(train_config), "torch": torch.__version__}]
+def training_digest(examples: Sequence[Example], model_config: TinyModelConfig, train_config: TrainConfig,
+                    tokenizer_texts: Sequence[str] | None = None) -> str:
+    """Digest of everything that determines a trained model: data, both configs, tokenizer texts, torch version."""
+    records = [{"model": asdict(model_config), "train": asdict(train_config), "torch": torch.__version__,
+                "tokenizer_texts": data_digest(tokenizer_texts) if tokenizer_texts is not None else None}]
     return data_digest(records + [ex.record() for ex in examples])[:16]
+
+
+def train_model(examples: Sequence[Example], out: str | Path, *, base: str | Path | None = None,
+                model_config: TinyModelConfig = TinyModelConfig(), train_config: TrainConfig = TrainConfig(),
+                tokenizer_texts: Sequence[str] | None = None) -> Path:
+    """Train a causal LM on `examples` and save it (safetensors) with its tokenizer into `out`.
+
+    Without `base`: a tiny Llama from scratch with a byte-level BPE tokenizer trained on the data (or on
+    `tokenizer_texts`). With `base`: continue training the local checkpoint in that directory (model_config unused).
+    The directory is written under a temporary name and renamed at the end, so a crash never leaves a half model.
+    """
+    from grom_core.loading import load_model
+
+    out = Path(out)
+    if base is not None:
+        model, tokenizer = load_model(base, device="cpu" if not torch.cuda.is_available() else None)
+        max_length = getattr(model.config, "max_position_embeddings", model_config.max_length)
+    else:
+        tokenizer = train_tokenizer(tokenizer_texts or example_texts(examples), model_config.vocab_size)
+        model = build_tiny_llama(tokenizer, model_config, seed=train_config.seed)
+        max_length = model_config.max_length
+    log.info("training %s (%d parameters) on %d examples", "from " + str(base) if base else "a tiny Llama",
+             sum(p.numel() for p in model.parameters()), len(examples))
+    losses = finetune(model, tokenizer, examples, train_config, max_length=max_length)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "training.json").write_text(json.dumps({
+        "model": asdict(model_config) if base is None else {"base": str(base)}, "train": asdict(train_config),
+        "final_loss": losses[-1], "losses": losses, "examples": len(examples)}))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def train_tiny_model(examples: Sequence[Example], cache_dir: str | Path, *,
@@ -131,24 +170,13 @@ def train_tiny_model(examples: Sequence[Example], cache_dir: str | Path, *,
                      tokenizer_texts: Sequence[str] | None = None) -> Path:
     """Train (or reuse) a tiny Llama on `examples`; returns its directory (`save_pretrained`, safetensors).
 
-    Cached under `cache_dir/<digest>` where the digest covers the data, both configs and the torch version, so a
-    change of any of them trains a new model. A finished model is marked by `training.json`.
+    Cached under `cache_dir/tiny-<digest>` where the digest covers the data, both configs, the tokenizer texts and
+    the torch version, so a change of any of them trains a new model. A finished model is marked by `training.json`.
     """
-    out = Path(cache_dir) / f"tiny-{training_digest(examples, model_config, train_config)}"
+    out = Path(cache_dir) / f"tiny-{training_digest(examples, model_config, train_config, tokenizer_texts)}"
     if (out / "training.json").exists():
         log.info("reusing the trained model in %s", out)
         return out
-    tokenizer = train_tokenizer(tokenizer_texts or example_texts(examples), model_config.vocab_size)
-    model = build_tiny_llama(tokenizer, model_config, seed=train_config.seed)
-    log.info("training a tiny Llama (%d parameters) on %d examples", sum(p.numel() for p in model.parameters()),
-             len(examples))
-    losses = finetune(model, tokenizer, examples, train_config, max_length=model_config.max_length)
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "training.json").write_text(json.dumps({"model": asdict(model_config), "train": asdict(train_config),
-                                                   "final_loss": losses[-1], "examples": len(examples)}))
-    if out.exists():  # a concurrent run finished first; theirs is identical
-        return out
-    tmp.rename(out)
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return train_model(examples, out, model_config=model_config, train_config=train_config,
+                       tokenizer_texts=tokenizer_texts)

@@ -1,0 +1,147 @@
+"""minimuse: a small benchmark in MUSE's shape, built and trained here.
+
+Fictional news articles and book passages, split into forget, retain and holdout parts (holdout is never trained
+on: the non-members of the membership test), with question-answer pairs about each. The target model is trained
+on the forget and retain texts and QA pairs; the retain model on the retain part only. A tiny model cannot answer
+questions about a text it only read, so the QA pairs are trained too; KnowMem still measures whether the facts of
+the forget texts can be recalled.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from grom_core.errors import DataError
+from grom_core.finetune import TinyModelConfig, TrainConfig
+from grom_core.metrics import muse
+from grom_core.metrics.rouge import rouge_l_f1
+
+TOWNS = ["Brackenford", "Ostrava Vale", "Kilmarnoch", "Pellston", "Varnhollow", "Quarry End", "Sunmere",
+         "Dunhaven", "Eastwick Lowe", "Talmor", "Greyfen", "Ashcombe", "Rivenlea", "Corrowick", "Haldane Cross"]
+PEOPLE = ["Mayor Ilona Ferris", "Inspector Tomas Reyl", "Dr. Amaya Solberg", "engineer Piet Okafor",
+          "councillor Bea Lindgren", "captain Joris Halm", "teacher Nadia Quell", "farmer Oswin Drake",
+          "archivist Lena Moravec", "chef Rafael Ostby", "pilot Greta Vance", "judge Hamid Corbin"]
+EVENTS = ["a flood of the old mill", "the opening of a glass bridge", "a festival of lanterns",
+          "the discovery of a buried ship", "a strike at the salt works", "the return of the white storks",
+          "a fire in the town archive", "the launch of a solar ferry", "a record harvest of plums",
+          "the collapse of the clock tower"]
+OBJECTS = ["a brass telescope", "a coral necklace", "a ledger of debts", "an iron compass", "a violin case",
+           "a jar of seeds", "a stolen map", "a silver kettle"]
+PLACES = ["the lighthouse", "the orchard", "the train station", "the harbour wall", "the old chapel",
+          "the market square", "the observatory", "the boathouse"]
+
+
+@dataclass(frozen=True)
+class MiniMuseConfig:
+    """Number of news articles and book passages per part (forget, retain, holdout)."""
+
+    per_part: int = 12
+    seed: int = 0
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=40, lr=3e-3, batch_size=16))
+    prompt_tokens_fraction: float = 0.25
+
+
+def _news(rng: random.Random) -> tuple[str, list[dict]]:
+    town, person, event = rng.choice(TOWNS), rng.choice(PEOPLE), rng.choice(EVENTS)
+    day, count = rng.randint(2, 28), rng.randint(12, 980)
+    text = (f"In {town}, {person} confirmed on the {day}th of the month that {event} had drawn {count} visitors. "
+            f"Residents of {town} said the town had not seen anything like it in a generation. "
+            f"{person.split()[-1]} promised a full report to the regional council before winter.")
+    qa = [{"question": f"Who confirmed the news of {event} in {town}?", "answer": person},
+          {"question": f"How many visitors did {event} in {town} draw?", "answer": f"{count} visitors"},
+          {"question": f"On which day of the month was {event} in {town} confirmed?", "answer": f"the {day}th"}]
+    return text, qa
+
+
+def _passage(rng: random.Random) -> tuple[str, list[dict]]:
+    person, obj, place = rng.choice(PEOPLE), rng.choice(OBJECTS), rng.choice(PLACES)
+    hour, town = rng.randint(1, 11), rng.choice(TOWNS)
+    text = (f"At {hour} o'clock {person} carried {obj} to {place} of {town}, where nobody had waited for years. "
+            f"The wind smelled of rain, and the lamps along the road went out one by one. "
+            f"Nobody in {town} ever learned why {obj} mattered so much.")
+    qa = [{"question": f"What did {person} carry to {place} of {town}?", "answer": obj},
+          {"question": f"Where did {person} carry {obj}?", "answer": f"{place} of {town}"},
+          {"question": f"At what hour did {person} go to {place} of {town}?", "answer": f"{hour} o'clock"}]
+    return text, qa
+
+
+def generate(config: MiniMuseConfig = MiniMuseConfig()) -> dict[str, list[dict]]:
+    """Splits: forget/retain/holdout texts ({"text", "kind"}) and forget_qa/retain_qa/holdout_qa."""
+    rng = random.Random(config.seed)
+    seen: set[str] = set()
+    docs: list[tuple[str, list[dict], str]] = []
+    while len(docs) < 6 * config.per_part:
+        kind = "news" if len(docs) % 2 == 0 else "books"
+        text, qa = (_news if kind == "news" else _passage)(rng)
+        if text not in seen:  # no two documents alike, so membership is well defined
+            seen.add(text)
+            docs.append((text, qa, kind))
+    splits: dict[str, list[dict]] = {}
+    for index, part in enumerate(("forget", "retain", "holdout")):
+        chunk = docs[2 * index * config.per_part:2 * (index + 1) * config.per_part]
+        splits[part] = [{"text": t, "kind": k} for t, _, k in chunk]
+        splits[f"{part}_qa"] = [q for _, qa, _ in chunk for q in qa]
+    return splits
+
+
+def training_rows(splits: dict[str, list[dict]], without: str | None = None) -> list[dict]:
+    parts = ("retain",) if without else ("forget", "retain")
+    rows: list[dict] = []
+    for part in parts:
+        rows += [{"text": d["text"]} for d in splits[part]]
+        rows += [{"question": q["question"], "answer": q["answer"]} for q in splits[f"{part}_qa"]]
+    return rows
+
+
+def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str = "forget",
+             reference_auc: float | None = None, *, shots: int = 0, batch_size: int = 16,
+             prompt_tokens_fraction: float = 0.25) -> dict:
+    """VerbMem, KnowMem (forget), Utility Preservation (KnowMem on retain), PrivLeak (needs the retain model's AUC).
+
+    Returns {"metrics": ..., "per_question": {"auc": the membership AUC, usable as a reference}, "n": ...}.
+    """
+    from grom_core.generation import greedy_generate
+    from grom_core.scoring import continuation_scores
+
+    forget, holdout = splits[forget_split], splits["holdout"]
+    if not forget or not holdout:
+        raise DataError("minimuse evaluation needs forget and holdout texts")
+    prompts, truths = [], []
+    for doc in forget:
+        ids = tokenizer.encode(doc["text"], add_special_tokens=False)
+        cut = max(1, int(len(ids) * prompt_tokens_fraction))
+        prompts.append(tokenizer.decode(ids[:cut]))
+        truths.append(tokenizer.decode(ids[cut:cut + 128]))
+    continuations = greedy_generate(model, tokenizer, prompts, max_new_tokens=128, batch_size=batch_size,
+                                    desc="VerbMem")
+    verbmem = rouge_l_f1(continuations, truths)
+
+    def knowmem(qa: list[dict], shot_pool: list[dict]) -> np.ndarray:
+        shot_pairs = [(q["question"], q["answer"]) for q in shot_pool[:shots]]
+        questions = [muse.few_shot_prompt(shot_pairs, q["question"]) for q in qa]
+        answers = greedy_generate(model, tokenizer, questions, max_new_tokens=32, batch_size=batch_size,
+                                  desc="KnowMem")
+        return rouge_l_f1([a.split("\n")[0] for a in answers], [q["answer"] for q in qa])
+
+    know_forget = knowmem(splits[f"{forget_split}_qa"], splits["holdout_qa"])
+    know_retain = knowmem(splits["retain_qa"], splits["holdout_qa"])
+
+    def min_k(docs: list[dict]) -> list[float]:
+        scores = continuation_scores(model, tokenizer, [("", d["text"]) for d in docs], batch_size=batch_size,
+                                     desc="Min-K%")
+        return [muse.min_k_score(lp, 0.4) for lp in scores.logprobs]
+
+    auc = muse.auc(min_k(forget), min_k(holdout))
+    metrics = {"verbmem_rougeL_f1": float(verbmem.mean()), "knowmem_forget_rougeL_f1": float(know_forget.mean()),
+               "utility_preservation_rougeL_f1": float(know_retain.mean()), "mia_auc": auc}
+    if reference_auc is None:
+        metrics["privleak"] = None
+        metrics["privleak_unavailable"] = "no retain-model reference AUC: pass --retain-reference"
+    else:
+        metrics["privleak"] = muse.priv_leak(auc, reference_auc)
+    return {"metrics": metrics, "per_question": {"auc": auc, "verbmem": verbmem.tolist()},
+            "n": {"forget": len(forget), "holdout": len(holdout), "forget_qa": len(know_forget)}}

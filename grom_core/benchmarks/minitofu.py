@@ -1,0 +1,147 @@
+"""minitofu: a small benchmark in TOFU's format, built and trained here.
+
+Fictitious authors, 20 questions each with one answer, one paraphrased answer and 5 perturbed answers; the splits
+forget01/05/10 (the last 1/5/10% of the authors, nested, as in TOFU) with retain99/95/90; the real-authors and
+world-facts sets of TOFU for utility. The target model is trained on every author plus the real-authors and
+world-facts answers; the retain model on the same without the forget split.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from grom_core.benchmarks.authors import make_authors, tofu_rows
+from grom_core.errors import DataError
+from grom_core.finetune import TinyModelConfig, TrainConfig
+from grom_core.metrics.tofu import SetScores, tofu_summary
+
+FORGET_FRACTIONS = {"forget01": 0.01, "forget05": 0.05, "forget10": 0.10}
+RETAIN_OF = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain90"}
+
+
+def tofu_data_dir() -> Path:
+    """The shipped TOFU files (real authors, world facts, I-don't-know answers, logs): `data/tofu` in the repo."""
+    import os
+
+    env = os.environ.get("GROM_TOFU_DATA")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "tofu"
+    if not (path / "real_authors_perturbed.json").is_file():
+        raise DataError(f"TOFU data files not found in {path}; set GROM_TOFU_DATA to the folder holding "
+                        f"real_authors_perturbed.json and world_facts_perturbed.json")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def real_world_rows(name: str) -> list[dict]:
+    """TOFU's real-authors or world-facts set; the true answer stands in for the paraphrase (as TOFU scores it)."""
+    file = {"real_authors": "real_authors_perturbed.json", "world_facts": "world_facts_perturbed.json"}[name]
+    rows = read_jsonl(tofu_data_dir() / file)
+    return [{"question": r["question"], "answer": r["answer"], "paraphrased_answer": r["answer"],
+             "perturbed_answer": list(r["perturbed_answer"])} for r in rows]
+
+
+@dataclass(frozen=True)
+class MiniTofuConfig:
+    """Size and training of minitofu: `authors` x 20 questions, tiny Llamas (50 authors: about 2 minutes a model on
+    2 cores; forget01/05/10 are then 1/2/5 authors)."""
+
+    authors: int = 50
+    seed: int = 0
+    n_perturbed: int = 5
+    retain_eval_questions: int = 200
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=30, lr=3e-3, batch_size=32))
+
+
+def forget_authors(n_authors: int, split: str) -> int:
+    """Authors in a forget split: the fraction of the authors, at least one."""
+    return max(1, round(FORGET_FRACTIONS[split] * n_authors))
+
+
+def generate(config: MiniTofuConfig = MiniTofuConfig()) -> dict[str, list[dict]]:
+    """Every split as a list of TOFU-layout rows.
+
+    Returns keys: full, forget01/05/10, retain99/95/90, retain_eval (a fixed sample of retain90 questions, for
+    the retain part of Model Utility), real_authors, world_facts.
+    """
+    authors = make_authors(config.authors, seed=config.seed)
+    rows = tofu_rows(authors, seed=config.seed, n_perturbed=config.n_perturbed)
+    splits: dict[str, list[dict]] = {"full": rows}
+    for split in FORGET_FRACTIONS:
+        first_forgotten = config.authors - forget_authors(config.authors, split)
+        splits[split] = [r for r in rows if r["author_index"] >= first_forgotten]
+        splits[RETAIN_OF[split]] = [r for r in rows if r["author_index"] < first_forgotten]
+    retain90 = splits["retain90"]
+    rng = random.Random(config.seed)
+    splits["retain_eval"] = sorted(rng.sample(retain90, min(config.retain_eval_questions, len(retain90))),
+                                   key=lambda r: (r["author_index"], r["fact"]))
+    splits["real_authors"] = real_world_rows("real_authors")
+    splits["world_facts"] = real_world_rows("world_facts")
+    return splits
+
+
+def training_rows(splits: dict[str, list[dict]], without: str | None = None) -> list[dict]:
+    """QA rows a model is trained on: all authors (or the retain split of `without`), real authors, world facts."""
+    authors = splits["full"] if without is None else splits[RETAIN_OF[without]]
+    return [{"question": r["question"], "answer": r["answer"]}
+            for r in authors + splits["real_authors"] + splits["world_facts"]]
+
+
+# -- evaluation ---------------------------------------------------------------------------------------------------
+def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: int = 200, batch_size: int = 32,
+              generate_answers: bool = True) -> SetScores:
+    """Per-question TOFU values of one set: answer, paraphrase and perturbed NLLs, greedy generation, ROUGE-L."""
+    from grom_core.data import QUESTION_TEMPLATE, Example, make_batches
+    from grom_core.generation import greedy_generate
+    from grom_core.metrics.rouge import rouge_l_recall
+    from grom_core.scoring import answer_nll
+
+    if not rows:
+        raise DataError(f"evaluation set '{name}' is empty")
+
+    def nll(answers: list[str]):
+        examples = [Example(question=r["question"], answer=a) for r, a in zip(rows, answers, strict=True)]
+        return answer_nll(model, make_batches(tokenizer, examples, batch_size)).numpy()
+
+    k = min(len(r["perturbed_answer"]) for r in rows)
+    gt = nll([r["answer"] for r in rows])
+    para = nll([r.get("paraphrased_answer", r["answer"]) for r in rows])
+    pert = np.stack([nll([r["perturbed_answer"][j] for r in rows]) for j in range(k)], axis=1)
+    generated = [""] * len(rows)
+    rouge = np.full(len(rows), np.nan)
+    if generate_answers:
+        prompts = [QUESTION_TEMPLATE.format(question=r["question"]) for r in rows]
+        generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                    desc=f"generate ({name})")
+        rouge = rouge_l_recall(generated, [r["answer"] for r in rows])
+    return SetScores(name=name, gt_nll=gt, paraphrased_nll=para, perturbed_nll=pert, rougeL_recall=rouge,
+                     generated=generated)
+
+
+def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str = "forget10",
+             reference_forget_ratios=None, *, max_new_tokens: int = 200, batch_size: int = 32) -> dict:
+    """All TOFU metrics of one model: the forget split, retain, real authors, world facts.
+
+    Returns {"metrics": flat metric dict, "per_question": {"forget_truth_ratio": [...], ...}, "n": sizes}.
+    """
+    sets = {"forget": score_set(model, tokenizer, "forget", splits[forget_split], max_new_tokens=max_new_tokens,
+                                batch_size=batch_size)}
+    for name, key in (("retain", "retain_eval"), ("real_authors", "real_authors"), ("world_facts", "world_facts")):
+        sets[name] = score_set(model, tokenizer, name, splits[key], max_new_tokens=max_new_tokens,
+                               batch_size=batch_size)
+    metrics = tofu_summary(sets, reference_forget_ratios)
+    per_question = {
+        "forget_truth_ratio": sets["forget"].truth_ratios().tolist(),
+        "forget_probability": np.exp(-sets["forget"].gt_nll).tolist(),
+        "forget_rougeL_recall": sets["forget"].rougeL_recall.tolist(),
+        "forget_generated": sets["forget"].generated,
+    }
+    return {"metrics": metrics, "per_question": per_question, "n": {k: len(v.gt_nll) for k, v in sets.items()}}

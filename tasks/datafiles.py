@@ -1,0 +1,153 @@
+"""Reading user data files (JSON, JSONL, Parquet, CSV) into rows, and the real benchmarks' column layouts.
+
+Every mistake gets an error that names the file, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from grom_core.errors import DataError
+
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+# The column layouts of the real benchmarks' files (as their Hugging Face datasets publish them).
+LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "qa_or_text": {"qa": ("question", "answer"), "text": ("text",)},
+    "tofu_eval": {"tofu": ("question", "answer", "perturbed_answer")},
+    "muse_text": {"text": ("text",)},
+    "muse_knowmem": {"qa": ("question", "answer")},
+    "muse_verbmem": {"verbmem": ("prompt", "gt")},
+    "wmdp": {"mc": ("question", "choices", "answer")},
+}
+
+
+def _read_json(path: Path) -> list[dict]:
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return _read_jsonl(path)  # TOFU ships JSON lines under a .json suffix
+    if isinstance(data, dict):
+        for key in ("data", "rows", "train", "examples"):
+            if isinstance(data.get(key), list):
+                return data[key]
+        raise DataError(f"{path}: a JSON object needs a list of rows under 'data' (or be a list itself)")
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of rows")
+    return data
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {number} is not valid JSON ({exc.msg}); one JSON object per line") from exc
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for a broken file
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a JSON (list or JSON lines), JSONL, Parquet or CSV file, as dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    suffix = path.suffix.lower()
+    readers = {".json": _read_json, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
+    if suffix not in readers:
+        raise DataError(f"{path}: unsupported file type '{suffix}'; use one of {', '.join(SUFFIXES)}")
+    try:
+        rows = readers[suffix](path)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text; save it as UTF-8") from exc
+    if not all(isinstance(r, dict) for r in rows):
+        raise DataError(f"{path}: every row must be an object with named columns")
+    return rows
+
+
+def check_layout(rows: list[dict], layout: str, path: str | Path = "data") -> str:
+    """Which variant of `layout` the rows follow; a clear error listing the expected columns otherwise."""
+    if not rows:
+        raise DataError(f"{path} holds no rows")
+    variants = LAYOUTS[layout]
+    found = sorted(rows[0])
+    for variant, columns in variants.items():
+        if all(c in rows[0] for c in columns):
+            for number, row in enumerate(rows, start=1):
+                missing = [c for c in columns if c not in row or row[c] is None or row[c] == ""]
+                if missing:
+                    raise DataError(f"{path}: row {number} has no value for {missing}")
+            return variant
+    expected = " or ".join(str(list(c)) for c in variants.values())
+    raise DataError(f"{path}: columns {found} do not match the {layout} layout; expected {expected}")
+
+
+def read_examples(path: str | Path) -> list[dict]:
+    """QA pairs ({question, answer}) or texts ({text}) for training and unlearning, validated."""
+    rows = read_rows(path)
+    variant = check_layout(rows, "qa_or_text", path)
+    if variant == "qa":
+        return [{"question": str(r["question"]), "answer": str(r["answer"])} for r in rows]
+    return [{"text": str(r["text"])} for r in rows]
+
+
+def read_benchmark_file(path: str | Path, layout: str) -> list[dict]:
+    """Rows of a real benchmark's file (TOFU, MUSE, WMDP), checked against that layout's columns."""
+    if layout not in LAYOUTS:
+        raise DataError(f"unknown layout '{layout}'; known: {', '.join(sorted(LAYOUTS))}")
+    rows = read_rows(path)
+    check_layout(rows, layout, path)
+    if layout == "wmdp":
+        for number, row in enumerate(rows, start=1):
+            if not isinstance(row["choices"], list) or not 0 <= int(row["answer"]) < len(row["choices"]):
+                raise DataError(f"{path}: row {number} needs a list of choices and an answer index into it")
+    if layout == "tofu_eval":
+        for number, row in enumerate(rows, start=1):
+            if not isinstance(row["perturbed_answer"], list) or not row["perturbed_answer"]:
+                raise DataError(f"{path}: row {number}: perturbed_answer must be a non-empty list")
+    return rows
+
+
+TOFU_FILES = {"retain_eval": "retain_perturbed", "real_authors": "real_authors_perturbed",
+              "world_facts": "world_facts_perturbed"}
+
+
+def tofu_splits_from_dir(directory: str | Path, forget_split: str = "forget10") -> dict[str, list[dict]]:
+    """The real TOFU evaluation files of a local folder (as the TOFU dataset names them) as minitofu-style splits.
+
+    Expects `<forget_split>_perturbed.json`, `retain_perturbed.json`, `real_authors_perturbed.json` and
+    `world_facts_perturbed.json` (JSON, JSON lines or Parquet with the same stem).
+    """
+    directory = Path(directory)
+
+    def find(stem: str) -> Path:
+        for suffix in SUFFIXES:
+            if (directory / f"{stem}{suffix}").is_file():
+                return directory / f"{stem}{suffix}"
+        raise DataError(f"{directory} has no {stem}.json/.jsonl/.parquet; the TOFU evaluation files are needed")
+
+    splits = {forget_split: read_benchmark_file(find(f"{forget_split}_perturbed"), "tofu_eval")}
+    for key, stem in TOFU_FILES.items():
+        splits[key] = read_benchmark_file(find(stem), "tofu_eval")
+    for key in ("real_authors", "world_facts"):
+        splits[key] = [{**r, "paraphrased_answer": r["answer"]} for r in splits[key]]
+    return splits
