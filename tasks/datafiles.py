@@ -34,7 +34,7 @@ def _read_json(path: Path) -> list[dict]:
         for key in ("data", "rows", "train", "examples"):
             if isinstance(data.get(key), list):
                 return data[key]
-        raise DataError(f"{path}: a JSON object needs a list of rows under 'data' (or be a list itself)")
+        return [data]  # a single row (also what a one-line JSON lines file looks like)
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of rows")
     return data

@@ -36,3 +36,32 @@ def test_bad_option_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     done = grom("demo", "--authors", "4", "--forget-authors", "4", "--home", str(tmp_path))
     assert done.returncode == 2 and "must be smaller" in done.stderr
+
+
+def test_tofu_score_on_the_real_logs():
+    logs = "data/tofu/eval-logs"
+    done = grom("tofu-score", f"{logs}/llama2-7b_full.json", "--retain", f"{logs}/llama2-7b_retain90.json", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert abs(result["forget_quality"] / 1.8e-21 - 1) < 0.05 and result["forget_quality_n"] == 300
+    assert abs(result["model_utility"] - 0.62) < 0.005
+    done = grom("tofu-score", "data/tofu/idontknow.jsonl", "--retain", f"{logs}/llama2-7b_retain90.json")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_finetune_from_scratch_then_continue(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is item {i}?", "answer": f"Item {i} is blue."})
+                              for i in range(12)))
+    done = grom("finetune", "--data", str(data), "--out", str(tmp_path / "m1"), "--epochs", "2", "--hidden-size",
+                "32", "--layers", "1", "--vocab-size", "300", "--json")
+    assert done.returncode == 0, done.stderr
+    first = json.loads(done.stdout)
+    assert first["examples"] == 12 and (tmp_path / "m1" / "model.safetensors").exists()
+    done = grom("finetune", "--data", str(data), "--base", str(tmp_path / "m1"), "--out", str(tmp_path / "m2"),
+                "--epochs", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["final_loss"] < first["final_loss"]
+    done = grom("finetune", "--data", str(tmp_path / "nope.csv"), "--out", str(tmp_path / "m3"))
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    assert not (tmp_path / "m3").exists()

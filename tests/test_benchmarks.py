@@ -1,0 +1,140 @@
+"""Benchmark generators, data files, and build/evaluate on small configurations."""
+
+import json
+
+import numpy as np
+import pytest
+
+from grom_core.benchmarks import minimuse, minitofu, miniwmdp
+from grom_core.benchmarks.authors import FACTS
+from grom_core.benchmarks.registry import build, get_benchmark
+from grom_core.errors import DataError
+from grom_core.finetune import TinyModelConfig, TrainConfig
+from grom_core.loading import load_model
+from tasks.datafiles import read_benchmark_file, read_examples, read_rows, tofu_splits_from_dir
+
+SMALL_MODEL = TinyModelConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              max_length=128)
+
+
+def test_minitofu_splits_follow_tofu():
+    splits = minitofu.generate(minitofu.MiniTofuConfig(authors=20))
+    assert len(splits["full"]) == 20 * len(FACTS) == 400
+    sizes = {k: len(splits[k]) // len(FACTS) for k in ("forget01", "forget05", "forget10")}
+    assert sizes == {"forget01": 1, "forget05": 1, "forget10": 2}
+    for forget, retain in minitofu.RETAIN_OF.items():
+        assert len(splits[forget]) + len(splits[retain]) == 400
+        assert not {r["question"] for r in splits[forget]} & {r["question"] for r in splits[retain]}
+    assert {r["question"] for r in splits["forget01"]} <= {r["question"] for r in splits["forget10"]}  # nested
+    for row in splits["full"]:
+        assert len(row["perturbed_answer"]) == 5 and len(set(row["perturbed_answer"])) == 5
+        assert row["paraphrased_answer"] != row["answer"]
+        assert row["paraphrased_answer"] not in row["perturbed_answer"]
+    assert len(splits["real_authors"]) == 100 and len(splits["world_facts"]) == 117
+    assert minitofu.generate(minitofu.MiniTofuConfig(authors=20)) == splits  # deterministic
+
+
+def test_minimuse_and_miniwmdp_structure():
+    muse = minimuse.generate(minimuse.MiniMuseConfig(per_part=3))
+    assert [len(muse[p]) for p in ("forget", "retain", "holdout")] == [6, 6, 6]
+    texts = [d["text"] for p in ("forget", "retain", "holdout") for d in muse[p]]
+    assert len(set(texts)) == len(texts)
+    assert len(muse["forget_qa"]) == 18
+    wmdp = miniwmdp.generate()
+    assert len(wmdp["forget"]) == len(wmdp["forget_corpus"]) == 32
+    for q in wmdp["forget"] + wmdp["retain"]:
+        assert len(q["choices"]) == 4 and len(set(q["choices"])) == 4
+    answers = [q["answer"] for q in wmdp["forget"]]
+    assert len(set(answers)) > 1  # the true choice is not always in the same slot
+
+
+def test_data_files_in_every_format(tmp_path):
+    rows = [{"question": "Q1?", "answer": "A1."}, {"question": "Q2?", "answer": "A2."}]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "c.csv").write_text("question,answer\nQ1?,A1.\nQ2?,A2.\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("a.json", "b.jsonl", "c.csv", "d.parquet"):
+        assert read_examples(tmp_path / name) == rows
+    (tmp_path / "t.jsonl").write_text('{"text": "hello"}\n')
+    assert read_examples(tmp_path / "t.jsonl") == [{"text": "hello"}]
+
+
+def test_bad_data_files_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_rows(tmp_path / "missing.json")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_rows(tmp_path / "x.txt")
+    (tmp_path / "bad.jsonl").write_text('{"question": "q"}\n{oops\n')
+    with pytest.raises(DataError, match="line 2"):
+        read_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "cols.csv").write_text("prompt,response\nx,y\n")
+    with pytest.raises(DataError, match=r"columns \['prompt', 'response'\].*\['question', 'answer'\]"):
+        read_examples(tmp_path / "cols.csv")
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(DataError, match="no rows"):
+        read_examples(tmp_path / "empty.json")
+    (tmp_path / "blank.csv").write_text("question,answer\nq,\n")
+    with pytest.raises(DataError, match="row 1 has no value"):
+        read_examples(tmp_path / "blank.csv")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="Parquet"):
+        read_rows(tmp_path / "broken.parquet")
+    (tmp_path / "mc.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 5}\n')
+    with pytest.raises(DataError, match="answer index"):
+        read_benchmark_file(tmp_path / "mc.jsonl", "wmdp")
+
+
+def test_real_tofu_layout_from_a_folder(tmp_path):
+    row = {"question": "q?", "answer": "a.", "paraphrased_answer": "b.", "perturbed_answer": ["c.", "d."]}
+    for stem in ("forget10_perturbed", "retain_perturbed", "real_authors_perturbed", "world_facts_perturbed"):
+        (tmp_path / f"{stem}.json").write_text(json.dumps(row) + "\n")  # JSON lines, as TOFU ships them
+    splits = tofu_splits_from_dir(tmp_path)
+    assert splits["forget10"][0]["perturbed_answer"] == ["c.", "d."]
+    assert splits["real_authors"][0]["paraphrased_answer"] == "a."  # the true answer stands in
+    (tmp_path / "retain_perturbed.json").unlink()
+    with pytest.raises(DataError, match="retain_perturbed"):
+        tofu_splits_from_dir(tmp_path)
+
+
+def test_unknown_benchmark_and_split():
+    with pytest.raises(DataError, match="minitofu"):
+        get_benchmark("tofu-xl")
+    with pytest.raises(DataError, match="forget10"):
+        build("minitofu", "/nonexistent-never-written", split="forget50", train_models=False)
+
+
+@pytest.fixture(scope="module")
+def small_tofu(tmp_path_factory):
+    config = minitofu.MiniTofuConfig(authors=10, retain_eval_questions=40, model=SMALL_MODEL,
+                                     train=TrainConfig(epochs=12, lr=5e-3, batch_size=32))
+    return build("minitofu", tmp_path_factory.mktemp("bench"), config=config)
+
+
+def test_build_writes_splits_and_both_models(small_tofu):
+    assert set(small_tofu.splits) >= {"forget10", "retain90", "forget01", "retain99", "real_authors"}
+    assert small_tofu.split == "forget10" and small_tofu.models["target"] != small_tofu.models["retain"]
+    rows = small_tofu.load_splits()["forget10"]
+    assert len(rows) == 20 and "perturbed_answer" in rows[0]
+    again = build("minitofu", small_tofu.root.parent, config=get_benchmark("minitofu").config.__class__(
+        authors=10, retain_eval_questions=40, model=SMALL_MODEL, train=TrainConfig(epochs=12, lr=5e-3, batch_size=32)))
+    assert again.models == small_tofu.models  # cached by content
+
+
+def test_evaluate_tofu_metrics_and_the_retain_model_against_itself(small_tofu):
+    splits = small_tofu.load_splits()
+    model, tokenizer = load_model(small_tofu.models["retain"], device="cpu")
+    ref = minitofu.evaluate(model, tokenizer, splits, "forget10", None, max_new_tokens=24)
+    assert ref["metrics"]["forget_quality"] is None and "reference" in ref["metrics"]["forget_quality_unavailable"]
+    ratios = ref["per_question"]["forget_truth_ratio"]
+    own = minitofu.evaluate(model, tokenizer, splits, "forget10", ratios, max_new_tokens=24)
+    assert own["metrics"]["forget_quality"] == pytest.approx(1.0)
+    assert own["metrics"]["forget_quality_n"] == 20
+    assert 0 < own["metrics"]["model_utility"] <= 1
+    for key in ("retain_probability", "real_authors_rougeL_recall", "world_facts_truth_ratio"):
+        assert 0 <= own["metrics"][key] <= 1
+    assert np.isfinite(ratios).all()
