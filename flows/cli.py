@@ -75,6 +75,7 @@ def benchmark_build(
     name: Annotated[str, typer.Argument(help="minitofu, minimuse or miniwmdp.")],
     out: Annotated[str | None, typer.Option(help="Output folder (default <workspace>/benchmarks).")] = None,
     split: Annotated[str | None, typer.Option(help="Forget split the retain model leaves out.")] = None,
+    check: Annotated[bool, typer.Option(help="Evaluate both models and save the retain reference.")] = True,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -82,12 +83,16 @@ def benchmark_build(
     from flows.evaluation import build_benchmark
 
     _setup_logging(True)
-    built = build_benchmark(name, out, home, split)
+    built = build_benchmark(name, out, home, split, check=check)
     table = Table(title=f"{name} ({built.split})")
     table.add_column("item")
     table.add_column("path")
     for key, path in {**built.splits, **{f"model: {k}": v for k, v in built.models.items()}}.items():
         table.add_row(key, str(path))
+    for role, metrics in built.checks.items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                table.add_row(f"{role}: {key}", f"{value:.4g}")
     _emit(built.as_json(), as_json, table)
 
 

@@ -20,12 +20,45 @@ log = logging.getLogger("grom.evaluation")
 
 
 def build_benchmark(name: str, out: str | None, home: str | None, split: str | None = None,
-                    train_models: bool = True) -> BuiltBenchmark:
+                    train_models: bool = True, check: bool = True) -> BuiltBenchmark:
+    """Build a shipped benchmark; with `check`, evaluate both models, save the retain model's per-question values
+    as `references/retain-<split>.json` (what Forget Quality and PrivLeak compare against) and log the figures."""
     root = Path(out) if out else Workspace.resolve(home).root / "benchmarks"
     start = time.perf_counter()
     built = build(name, root, split=split, train_models=train_models)
     log.info("benchmark %s built in %.1f s: %s", name, time.perf_counter() - start, built.root)
+    if train_models and check:
+        built.checks = memorisation_check(built)
     return built
+
+
+def reference_path(built: BuiltBenchmark) -> Path:
+    return built.root / "references" / f"retain-{built.split}.json"
+
+
+def memorisation_check(built: BuiltBenchmark) -> dict:
+    """Evaluate the retain model (saving its reference) and the target model against it; returns both metrics."""
+    bench = get_benchmark(built.name)
+    splits = built.load_splits()
+    path = reference_path(built)
+    results = {}
+    for role in ("retain", "target"):
+        start = time.perf_counter()
+        model, tokenizer = load_model(built.models[role])
+        ref = read_reference(built.name, path) if role == "target" and path.exists() else None
+        result = bench.evaluate(model, tokenizer, splits, built.split, ref)
+        if role == "retain":
+            save_reference_file(built.name, built.split, result, path)
+        results[role] = result["metrics"]
+        log.info("%s %s model: %s (%.1f s)", built.name, role, _headline(result["metrics"]),
+                 time.perf_counter() - start)
+    return results
+
+
+def _headline(metrics: dict) -> str:
+    keys = ("forget_rougeL_recall", "forget_quality", "model_utility", "verbmem_rougeL_f1", "knowmem_forget_rougeL_f1",
+            "privleak", "forget_accuracy", "retain_accuracy")
+    return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), float))
 
 
 def read_reference(benchmark: str, path: str | Path):

@@ -45,12 +45,44 @@ class MiniMuseConfig:
     prompt_tokens_fraction: float = 0.25
 
 
+NEWS_EXTRA = [
+    "Residents of {town} said they had not seen anything like it in a generation.",
+    "Traffic on the coast road stood still for {hours} hours.",
+    "A spokesperson for the regional council declined to comment.",
+    "Local bakeries stayed open through the night to feed the crowds.",
+    "The weather service had warned of {hours} days of heavy rain.",
+    "Several families travelled from {other} to take part.",
+    "The school in {town} closed early so that children could watch.",
+    "Officials expect the cost to reach {count} thousand crowns.",
+    "Volunteers from {other} arrived with tents and blankets.",
+    "Old photographs of the square were pinned to the church door.",
+]
+BOOK_EXTRA = [
+    "The wind smelled of rain, and the lamps along the road went out one by one.",
+    "A dog barked somewhere beyond the {other} road and then fell silent.",
+    "The floorboards creaked under every step, as if counting them.",
+    "Somebody had written a single word in chalk on the wall: {word}.",
+    "The clock above the door had stopped at a quarter past {hour}.",
+    "Far away a train whistled twice, the way it did on market days in {other}.",
+    "Dust lay thick on the shelves, except where a book had recently been taken.",
+    "The river below was high and brown after {hours} days of storms.",
+    "A candle burned in the window of the house opposite.",
+    "Nobody had answered letters from {other} for years.",
+]
+WORDS = ["patience", "north", "forgive", "return", "salt", "remember", "never", "tomorrow"]
+
+
+def _slots(rng: random.Random, town: str) -> dict:
+    return {"town": town, "other": rng.choice([t for t in TOWNS if t != town]), "hours": rng.randint(2, 19),
+            "count": rng.randint(12, 980), "hour": rng.randint(1, 11), "word": rng.choice(WORDS)}
+
+
 def _news(rng: random.Random) -> tuple[str, list[dict]]:
     town, person, event = rng.choice(TOWNS), rng.choice(PEOPLE), rng.choice(EVENTS)
     day, count = rng.randint(2, 28), rng.randint(12, 980)
-    text = (f"In {town}, {person} confirmed on the {day}th of the month that {event} had drawn {count} visitors. "
-            f"Residents of {town} said the town had not seen anything like it in a generation. "
-            f"{person.split()[-1]} promised a full report to the regional council before winter.")
+    extra = [t.format(**_slots(rng, town)) for t in rng.sample(NEWS_EXTRA, 3)]
+    text = " ".join([f"In {town}, {person} confirmed on the {day}th of the month that {event} had drawn {count} "
+                     f"visitors.", *extra, f"{person.split()[-1]} promised a full report before winter."])
     qa = [{"question": f"Who confirmed the news of {event} in {town}?", "answer": person},
           {"question": f"How many visitors did {event} in {town} draw?", "answer": f"{count} visitors"},
           {"question": f"On which day of the month was {event} in {town} confirmed?", "answer": f"the {day}th"}]
@@ -60,9 +92,9 @@ def _news(rng: random.Random) -> tuple[str, list[dict]]:
 def _passage(rng: random.Random) -> tuple[str, list[dict]]:
     person, obj, place = rng.choice(PEOPLE), rng.choice(OBJECTS), rng.choice(PLACES)
     hour, town = rng.randint(1, 11), rng.choice(TOWNS)
-    text = (f"At {hour} o'clock {person} carried {obj} to {place} of {town}, where nobody had waited for years. "
-            f"The wind smelled of rain, and the lamps along the road went out one by one. "
-            f"Nobody in {town} ever learned why {obj} mattered so much.")
+    extra = [t.format(**_slots(rng, town)) for t in rng.sample(BOOK_EXTRA, 3)]
+    text = " ".join([f"At {hour} o'clock {person} carried {obj} to {place} of {town}.", *extra,
+                     f"Nobody in {town} ever learned why {obj} mattered so much."])
     qa = [{"question": f"What did {person} carry to {place} of {town}?", "answer": obj},
           {"question": f"Where did {person} carry {obj}?", "answer": f"{place} of {town}"},
           {"question": f"At what hour did {person} go to {place} of {town}?", "answer": f"{hour} o'clock"}]

@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grom_core.benchmarks import minimuse, minitofu, miniwmdp
@@ -91,11 +91,12 @@ class BuiltBenchmark:
     split: str
     splits: dict[str, Path]
     models: dict[str, Path]
+    checks: dict = field(default_factory=dict)
 
     def as_json(self) -> dict:
         return {"benchmark": self.name, "split": self.split, "root": str(self.root),
                 "splits": {k: str(v) for k, v in self.splits.items()},
-                "models": {k: str(v) for k, v in self.models.items()}}
+                "models": {k: str(v) for k, v in self.models.items()}, "checks": self.checks}
 
     def load_splits(self) -> dict[str, list[dict]]:
         return {name: read_split(path) for name, path in self.splits.items()}
