@@ -30,6 +30,7 @@ def _setup_logging(verbose: bool) -> None:
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
     logging.getLogger("grom").setLevel(logging.INFO)
     logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)
     for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -41,26 +42,75 @@ def _emit(payload: dict, as_json: bool, table: Table | None) -> None:
         Console().print(table)
 
 
+def _before_after_table(result: dict) -> Table:
+    table = Table(title=f"{result['method']} edit {result['edit_id']} on layers {result.get('layers')}")
+    for column in ("metric", "before", "after"):
+        table.add_column(column)
+    before, after = result["metrics"]["before"], result["metrics"]["after"]
+    for key, value in before.items():
+        if isinstance(value, int | float) or isinstance(after.get(key), int | float):
+            table.add_row(key, _fmt(value), _fmt(after.get(key)))
+    t = result["timings_s"]
+    table.caption = (f"unlearning {t['unlearning']:.2f} s (retain statistics "
+                     f"{'cached' if result.get('cached_stats') else 'computed'}), total {t['total']:.1f} s, "
+                     f"peak RSS {result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
+                     f"v{result['mlflow']['version']}")
+    return table
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
+DaskOpt = Annotated[str | None, typer.Option(help="Existing Dask scheduler, e.g. tcp://host:8786.")]
+
+
 @app.command()
 def demo(
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
-    authors: Annotated[int, typer.Option(min=4, help="Fictitious authors in the demo data.")] = 20,
-    forget_authors: Annotated[int, typer.Option(min=1, help="Authors whose records are forgotten.")] = 2,
+    split: Annotated[str, typer.Option(help="minitofu forget split.")] = "forget10",
+    workers: WorkersOpt = 0,
+    dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Per-stage library logs.")] = False,
 ) -> None:
-    """Train (or reuse) a tiny model on fictitious authors, forget some of them with GROM, show before/after."""
+    """Build minitofu (cached), unlearn its forget split with GROM through the whole flow, show before/after."""
     from flows.demo import run_demo
 
-    _setup_logging(verbose)
-    result = run_demo(home=home, n_authors=authors, n_forget=forget_authors)
-    table = Table(title=f"GROM edit {result['edit_id']} (layers {result['layers']})")
-    for column in ("metric", "before", "after"):
-        table.add_column(column)
-    for key in result["metrics"]["before"]:
-        table.add_row(key, f"{result['metrics']['before'][key]:.4f}", f"{result['metrics']['after'][key]:.4f}")
-    table.caption = f"edit {result['timings_s']['edit']:.2f} s, total {result['timings_s']['total']:.1f} s"
-    _emit(result, as_json, table)
+    _setup_logging(True)
+    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address)
+    _emit(result, as_json, _before_after_table(result))
+
+
+@app.command()
+def unlearn(
+    model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors).")],
+    forget: Annotated[str, typer.Option(help="Forget data: JSON, JSONL, Parquet or CSV.")],
+    retain: Annotated[str, typer.Option(help="Retain data, same formats.")],
+    method: Annotated[str, typer.Option(help="Unlearning method.")] = "grom",
+    layers: Annotated[str | None, typer.Option(help="Comma-separated layers to edit (default: automatic).")] = None,
+    model_name: Annotated[str | None, typer.Option(help="Registered model name in MLflow.")] = None,
+    home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
+    workers: WorkersOpt = 0,
+    dask_address: DaskOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Unlearn your own forget data from your own model, keeping the retain data, and register the result."""
+    from flows.demo import run_unlearn
+    from grom_core.errors import DataError
+
+    if method != "grom":
+        raise DataError(f"method '{method}' is not available; available: grom")
+    params = {}
+    if layers:
+        try:
+            params["layers"] = [int(x) for x in layers.split(",") if x.strip()]
+        except ValueError as exc:
+            raise DataError(f"--layers must be comma-separated integers, got '{layers}'") from exc
+    _setup_logging(True)
+    result = run_unlearn(model, forget, retain, home=home, params=params, model_name=model_name, workers=workers,
+                         dask_address=dask_address)
+    _emit(result, as_json, _before_after_table(result))
 
 
 benchmark_app = typer.Typer(no_args_is_help=True, help="Shipped benchmarks: build splits and models.")

@@ -98,7 +98,8 @@ class GromParams:
 
 @dataclass
 class SolveRecord:
-    """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s)."""
+    """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s),
+    example_ids, positions and tokens (s,) (the gold next token at each position)."""
 
     module: str
     keys: torch.Tensor
@@ -106,6 +107,8 @@ class SolveRecord:
     example_ids: torch.Tensor
     ridge: float
     retain_count: int
+    positions: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -149,18 +152,106 @@ def _mu(stats: GramStats, params: GromParams) -> float:
     return params.relative_ridge * max(params.w_retain, 1e-12) * max(energy, 1e-12)
 
 
-def _retain_statistics(model, adapter, modules, retain_batches, retain_stats, fingerprint, digest) -> dict:
-    stats = dict(retain_stats or {})
+@dataclass
+class Prepared:
+    """The inputs of every stage, prepared once: examples, batches, specificity weights and digests."""
+
+    adapter: ModelAdapter
+    forget: list[Example]
+    retain: list[Example]
+    forget_batches: list[Batch]
+    retain_batches: list[Batch]
+    weights: torch.Tensor  # (vocab,) specificity a(j)
+    fingerprint: str
+    forget_digest: str
+    retain_digest: str
+
+
+def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
+            adapter: ModelAdapter | None = None, fingerprint: str | None = None) -> Prepared:
+    """Validate and batch the data, fingerprint the model, and weigh tokens by forget-specificity."""
+    params.validate()
+    forget_ex, retain_ex = as_examples(forget), as_examples(retain)
+    adapter = adapter or ModelAdapter.for_model(model)
+    if params.edit_lm_head and params.target == "suppress" and adapter.lm_head_is_tied():
+        raise UnsupportedArchitectureError(
+            f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
+            f"(numerically a no-op), or set edit_lm_head=False")
+    forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length)
+    retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
+                                  first_id=len(forget_ex))
+    vocab = weight_out_in(adapter.lm_head).shape[0]
+    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
+                                  sharpness=params.sharpness, threshold=params.threshold,
+                                  smoothing=params.smoothing)
+    return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
+                    retain_batches=retain_batches, weights=weights,
+                    fingerprint=fingerprint or weights_fingerprint(model),
+                    forget_digest=data_digest(ex.record() for ex in forget_ex),
+                    retain_digest=data_digest(ex.record() for ex in retain_ex))
+
+
+def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
+    """The manual layers, or the best band by logit-lens attribution (with the scores)."""
+    adapter = prep.adapter
+    if params.layers is not None:
+        layers = sorted(set(params.layers))
+        bad = [layer for layer in layers if not 0 <= layer < adapter.num_layers]
+        if bad:
+            raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
+        return layers, None
+    scores = score_layers(model, adapter, prep.forget_batches, prep.retain_batches, prep.weights)
+    layers = choose_band(scores.score, min(params.band_width, adapter.num_layers), params.late_fraction)
+    log.info("layer scores %s -> editing layers %s", ", ".join(f"{v:.3f}" for v in scores.score.tolist()), layers)
+    return layers, scores
+
+
+def edited_modules(adapter: ModelAdapter, layers: Sequence[int], params: GromParams) -> list[str]:
+    """Module names in solve order: the layers' down-projections, lowest first, then the LM head if edited."""
+    modules = [adapter.down_proj_names[layer] for layer in sorted(layers)]
+    if params.edit_lm_head and params.target == "suppress":
+        modules.append(adapter.lm_head_name)
+    return modules
+
+
+def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
+                      cached: dict[str, GramStats] | None = None) -> dict[str, GramStats]:
+    """GramStats per module: the cached ones (checked against this model's fingerprint), the rest computed."""
+    stats = dict(cached or {})
     for name, st in stats.items():
-        if st.fingerprint and st.fingerprint != fingerprint:
+        if st.fingerprint and st.fingerprint != prep.fingerprint:
             raise FingerprintMismatchError(f"retain statistics of '{name}' were computed on model "
-                                           f"{st.fingerprint[:12]}, not {fingerprint[:12]}; recompute them")
+                                           f"{st.fingerprint[:12]}, not {prep.fingerprint[:12]}; recompute them")
     missing = [m for m in modules if m not in stats]
     if missing:
-        computed = accumulate(model, retain_batches, missing, fingerprint=fingerprint, data_digest=digest,
-                              early_stop=adapter.lm_head_name not in missing)
-        stats.update({name: st for name, st in computed.items()})
+        stats.update(accumulate(model, prep.retain_batches, missing, fingerprint=prep.fingerprint,
+                                data_digest=prep.retain_digest,
+                                early_stop=prep.adapter.lm_head_name not in missing))
     return stats
+
+
+def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str], stats: dict[str, GramStats],
+          params: GromParams, scores: LayerScores | None = None) -> tuple[Edit, dict[str, SolveRecord]]:
+    """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
+    solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers)
+    deltas, records = solver.solve(modules)
+    edit = Edit(deltas=deltas, base_fingerprint=prep.fingerprint, params=_params_dict(params),
+                metadata={"layers": layers, "modules": modules, "retain_digest": prep.retain_digest,
+                          "forget_digest": prep.forget_digest, "forget_examples": len(prep.forget),
+                          "retain_examples": len(prep.retain),
+                          "forget_positions": int(next(iter(records.values())).keys.shape[1]),
+                          "retain_positions": {m: stats[m].count for m in modules},
+                          "layer_scores": scores.as_rows() if scores is not None else None,
+                          "logit_drop": solver.achieved})
+    return edit, records
+
+
+def audit(records: dict[str, SolveRecord], stats: dict[str, GramStats], params: GromParams
+          ) -> dict[str, InfluenceReport]:
+    """Exact leave-one-out influence of every forget example on every module's edit."""
+    return {name: influence_report(rec.keys, rec.targets, stats[name].gram, rec.retain_count, rec.example_ids,
+                                   w_forget=params.w_forget, w_retain=params.w_retain, ridge=rec.ridge)
+            for name, rec in records.items()}
 
 
 def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tuple | str],
@@ -176,67 +267,24 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
         adapter: hand-named modules for architectures the adapter does not know.
         retain_stats: cached GramStats per module (must match this model's fingerprint); missing ones are computed.
     """
-    params.validate()
     clock = _Stopwatch()
     t0 = time.perf_counter()
-    forget_ex, retain_ex = as_examples(forget), as_examples(retain)
-    adapter = adapter or ModelAdapter.for_model(model)
-    if params.edit_lm_head and params.target == "suppress" and adapter.lm_head_is_tied():
-        raise UnsupportedArchitectureError(
-            f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
-            f"(numerically a no-op), or set edit_lm_head=False")
-    forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length)
-    retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
-                                  first_id=len(forget_ex))
-    fingerprint = weights_fingerprint(model)
-    retain_digest = data_digest(ex.record() for ex in retain_ex)
-    vocab = weight_out_in(adapter.lm_head).shape[0]
-    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
-                                  sharpness=params.sharpness, threshold=params.threshold,
-                                  smoothing=params.smoothing)
+    prep = prepare(model, tokenizer, forget, retain, params, adapter)
     clock.lap("prepare", t0)
-
     t0 = time.perf_counter()
-    scores = None
-    if params.layers is None:
-        scores = score_layers(model, adapter, forget_batches, retain_batches, weights)
-        layers = choose_band(scores.score, min(params.band_width, adapter.num_layers), params.late_fraction)
-        log.info("layer scores %s -> editing layers %s",
-                 ", ".join(f"{v:.3f}" for v in scores.score.tolist()), layers)
-    else:
-        layers = sorted(set(params.layers))
-        bad = [layer for layer in layers if not 0 <= layer < adapter.num_layers]
-        if bad:
-            raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
+    layers, scores = select_layers(model, prep, params)
     clock.lap("layer_scores", t0)
-
-    modules = [adapter.down_proj_names[layer] for layer in layers]
-    if params.edit_lm_head and params.target == "suppress":
-        modules.append(adapter.lm_head_name)
+    modules = edited_modules(prep.adapter, layers, params)
     t0 = time.perf_counter()
-    stats = _retain_statistics(model, adapter, modules, retain_batches, retain_stats, fingerprint, retain_digest)
+    stats = retain_statistics(model, prep, modules, retain_stats)
     clock.lap("retain_statistics", t0)
-
     t0 = time.perf_counter()
-    solver = _SequentialSolver(model, adapter, forget_batches, weights, params, stats, layers)
-    deltas, records = solver.solve(modules)
+    edit, records = solve(model, prep, layers, modules, stats, params, scores)
     clock.lap("solve", t0)
-
-    edit = Edit(deltas=deltas, base_fingerprint=fingerprint, params=_params_dict(params),
-                metadata={"layers": layers, "modules": modules, "retain_digest": retain_digest,
-                          "forget_digest": data_digest(ex.record() for ex in forget_ex),
-                          "forget_examples": len(forget_ex), "retain_examples": len(retain_ex),
-                          "forget_positions": int(next(iter(records.values())).keys.shape[1]),
-                          "retain_positions": {m: stats[m].count for m in modules},
-                          "layer_scores": scores.as_rows() if scores is not None else None,
-                          "logit_drop": solver.achieved})
     run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records)
     if params.influence:
         t0 = time.perf_counter()
-        for name, rec in records.items():
-            run.influence[name] = influence_report(rec.keys, rec.targets, stats[name].gram, rec.retain_count,
-                                                   rec.example_ids, w_forget=params.w_forget,
-                                                   w_retain=params.w_retain, ridge=rec.ridge)
+        run.influence = audit(records, stats, params)
         clock.lap("influence", t0)
     run.timings_s = clock.timings
     log.info("GROM edit %s: %d modules, %d forget positions, stages %s", edit.edit_id, len(modules),
@@ -305,7 +353,8 @@ class _SequentialSolver:
                                                 w_retain=params.w_retain, ridge=mu)
             deltas[name] = ModuleDelta.from_factors(name, left, right)
             records[name] = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
-                                        ridge=mu, retain_count=st.count)
+                                        ridge=mu, retain_count=st.count, positions=got.positions.cpu(),
+                                        tokens=got.next_tokens.cpu())
             log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
                      f", jitter {system.jitter:.3g}" if system.jitter else "")
         final = self._collect([], Edit(deltas=dict(deltas), base_fingerprint=""))

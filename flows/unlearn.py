@@ -1,0 +1,180 @@
+"""The `unlearn` flow: ingest -> score layers -> retain statistics -> solve (targets, keys) -> apply and save ->
+influence audit -> evaluate before and after -> register (MLflow, then the DuckDB catalog in one transaction).
+
+Import this module only after `flows.runtime.configure_prefect` has set Prefect's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.workspace import Workspace
+from grom_core.closed_form import GromParams
+from tasks import steps
+from tasks.catalog import Catalog, now, record_run
+from tasks.lake import safe_name
+from tasks.plots import influence_plot, layer_scores_plot
+from tasks.tracking import delete_registration, register
+
+log = logging.getLogger("grom.flow")
+
+HEADLINE = ("forget_rougeL_recall", "forget_probability", "forget_truth_ratio", "forget_quality", "model_utility",
+            "retain_rougeL_recall", "retain_probability")
+
+
+class _Stages:
+    """Per-stage wall times, logged as each stage ends (the progress a user watches)."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    def run(self, name: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        self.timings[name] = time.perf_counter() - t0
+        log.info("stage %-18s %7.2f s", name, self.timings[name])
+        return result
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+@flow(name="unlearn")
+def unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
+            benchmark: dict | None = None, model_name: str | None = None, workers: int = 0,
+            dask_address: str | None = None, tags: dict | None = None) -> dict:
+    """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
+
+    Args:
+        model: local model directory (save_pretrained, safetensors).
+        forget, retain: data files (JSON, JSONL, Parquet or CSV with question/answer or text columns).
+        home: workspace folder (default ./.grom or GROM_HOME).
+        params: GromParams fields (units documented there); None for the defaults.
+        benchmark: {"benchmark", "split", "splits", "reference"} to evaluate with a shipped benchmark's metrics;
+            None evaluates probability and ROUGE-L on the forget and retain data themselves.
+        model_name: registered model name in MLflow (default from the benchmark or the model folder).
+        workers: shard the retain statistics over a local Dask cluster of this many processes (0: in process).
+        dask_address: an existing Dask scheduler (tcp://host:8786) instead.
+        tags: extra tags for the MLflow run and model version (e.g. deletion request ids).
+    """
+    ws = Workspace.resolve(home)
+    lake_root, started = str(ws.root / "lake"), now()
+    grom = GromParams(**{k: tuple(v) if k == "layers" and v is not None else v for k, v in (params or {}).items()})
+    manifest = steps.params_manifest(grom)
+    stages = _Stages()
+
+    data = stages.run("ingest", steps.ingest, forget, retain, lake_root)
+    layers = stages.run("score_layers", steps.score_layers, model, data, manifest)
+    stats = stages.run("retain_statistics", steps.retain_statistics, model, data, layers["modules"],
+                       layers["fingerprint"], manifest, lake_root, workers, dask_address)
+    solved = stages.run("solve", steps.solve_edit, model, data, layers, stats, manifest, lake_root, str(ws.edits))
+    edited = stages.run("apply_and_save", steps.apply_and_save, model, solved, str(ws.models))
+    audit = stages.run("influence", steps.influence_audit, solved, stats, layers["fingerprint"], data, manifest,
+                       lake_root)
+    spec = dict(benchmark) if benchmark else {"forget": data["forget"], "retain": data["retain"]}
+    cache_root = str(ws.root / "cache" / "evaluations")
+    before = stages.run("evaluate_before", steps.evaluate, model, spec, cache_root)
+    after = stages.run("evaluate_after", steps.evaluate, edited["model_dir"], spec, cache_root)
+    unlearning_s = sum(stages.timings[s] for s in ("score_layers", "retain_statistics", "solve"))
+
+    plots = ws.root / "lake" / "plots" / solved["edit_id"]
+    if layers["scores"]:
+        layer_scores_plot(layers["scores"], layers["layers"], plots / "layer_scores.png")
+    import pyarrow.parquet as pq
+
+    influence_rows = pq.read_table(audit["path"]).to_pylist()
+    influence_plot(influence_rows, plots / "influence.png")
+    name = model_name or (f"grom-{benchmark['benchmark']}-{benchmark['split']}" if benchmark
+                          else f"grom-{safe_name(Path(model).name)}")
+    report = plots / "report.md"
+    report.write_text(_report(solved, layers, stats, before["metrics"], after["metrics"], stages.timings))
+    version_tags = {"base_fingerprint": layers["fingerprint"], "edit_id": solved["edit_id"], "method": "grom",
+                    "forget_digest": data["forget"]["digest"], "retain_digest": data["retain"]["digest"],
+                    **{k: str(v) for k, v in (tags or {}).items()}}
+    registration = stages.run(
+        "register", register, ws.root, run_name=f"unlearn-{solved['edit_id']}", model_name=name,
+        params={**{k: v for k, v in manifest.items()}, "layers_chosen": layers["layers"],
+                "modules": solved["modules"], "model_dir": model},
+        metrics={"before": before["metrics"], "after": after["metrics"],
+                 "timing": {**stages.timings, "unlearning": unlearning_s}},
+        datasets=[data["forget"], data["retain"]],
+        artifacts={"edit": Path(solved["edit_dir"]), "influence": Path(audit["path"]), "plots": plots},
+        edited_model_dir=Path(edited["model_dir"]), tags=version_tags)
+    timings = {**stages.timings, "unlearning": unlearning_s, "total": time.perf_counter() - stages.start}
+    try:
+        record_run(Catalog(ws.root / "catalog.duckdb"), {
+            "datasets": [_dataset_row(d) for d in (data["forget"], data["retain"])],
+            "edit": {"edit_id": solved["edit_id"], "method": "grom", "base_fingerprint": layers["fingerprint"],
+                     "edited_fingerprint": edited["edited_fingerprint"], "modules": solved["modules"],
+                     "layers": layers["layers"], "params": manifest, "edit_dir": solved["edit_dir"]},
+            "influence": influence_rows, "layer_scores": layers["scores"], "key_shards": solved["key_shards"],
+            "stats_cache": [{"fingerprint": layers["fingerprint"], "retain_digest": data["retain"]["digest"],
+                             "module": m, "path": p, "n_positions": -1} for m, p in stats["paths"].items()],
+            "run": {"run_id": registration.run_id, "flow": "unlearn", "method": "grom",
+                    "base_fingerprint": layers["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
+                    "edit_id": solved["edit_id"], "forget_digest": data["forget"]["digest"],
+                    "retain_digest": data["retain"]["digest"], "mlflow_run_id": registration.run_id,
+                    "model_name": name, "model_version": registration.version, "model_dir": edited["model_dir"],
+                    "metrics": {"before": before["metrics"], "after": after["metrics"]}, "timings": timings,
+                    "started_at": started},
+        })
+    except BaseException:
+        delete_registration(ws.root, registration)  # no half-registered version without its catalog rows
+        raise
+
+    result = {
+        "method": "grom", "compose": None, "edit_id": solved["edit_id"], "layers": layers["layers"],
+        "modules": solved["modules"], "cached_stats": stats["cache_hit"],
+        "metrics": {"before": before["metrics"], "after": after["metrics"], "quantized": {}},
+        "timings_s": timings, "peak_rss_mb": peak_rss_mb(),
+        "mlflow": {"run_id": registration.run_id, "model_name": name, "version": registration.version},
+        "model_dir": edited["model_dir"], "edit_dir": solved["edit_dir"], "influence": audit,
+        "workspace": str(ws.root),
+    }
+    _publish(result)
+    return result
+
+
+def _dataset_row(manifest: dict) -> dict:
+    return {"digest": manifest["digest"], "name": manifest["name"], "role": manifest["role"],
+            "source": manifest["source"], "examples": steps.read_dataset_with_sha(manifest)}
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _report(solved, layers, stats, before, after, timings) -> str:
+    lines = [f"# GROM edit {solved['edit_id']}", "",
+             f"Layers {layers['layers']}, modules {', '.join(solved['modules'])}; retain statistics "
+             f"{'from the cache' if stats['cache_hit'] else 'computed'}.", "",
+             "| metric | before | after |", "|---|---|---|"]
+    for key in before:
+        if isinstance(before[key], int | float) or isinstance(after.get(key), int | float):
+            lines.append(f"| {key} | {_fmt(before[key])} | {_fmt(after.get(key))} |")
+    lines += ["", "| stage | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in timings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _publish(result: dict) -> None:
+    """A Markdown summary and a metrics table for the Prefect UI."""
+    before, after = result["metrics"]["before"], result["metrics"]["after"]
+    rows = [{"metric": k, "before": _fmt(before.get(k)), "after": _fmt(after.get(k))} for k in before
+            if isinstance(before.get(k), int | float)]
+    create_table_artifact(table=rows, key="unlearning-metrics", description="Metrics before and after the edit")
+    create_markdown_artifact(
+        key="unlearning-summary",
+        markdown=(f"# Edit {result['edit_id']}\n\nModules: {', '.join(result['modules'])}\n\n"
+                  f"MLflow: {result['mlflow']['model_name']} version {result['mlflow']['version']}\n\n"
+                  f"Unlearning took {result['timings_s']['unlearning']:.2f} s "
+                  f"(retain statistics {'cached' if result['cached_stats'] else 'computed'})."),
+        description="GROM unlearning summary")
