@@ -70,6 +70,7 @@ DaskOpt = Annotated[str | None, typer.Option(help="Existing Dask scheduler, e.g.
 def demo(
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
     split: Annotated[str, typer.Option(help="minitofu forget split.")] = "forget10",
+    authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -78,7 +79,7 @@ def demo(
     from flows.demo import run_demo
 
     _setup_logging(True)
-    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address)
+    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors)
     _emit(result, as_json, _before_after_table(result))
 
 

@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 from flows.evaluation import build_benchmark, reference_path
-from flows.runtime import configure_prefect
+from flows.runtime import configure_prefect, quiet_prefect_tracebacks
 from flows.workspace import Workspace
+from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
+from grom_core.errors import DataError, UnsupportedArchitectureError
+from tasks.datafiles import read_examples
 
 log = logging.getLogger("grom.demo")
 
 
 def run_demo(home: str | None = None, split: str = "forget10", params: dict | None = None, workers: int = 0,
-             dask_address: str | None = None) -> dict:
+             dask_address: str | None = None, authors: int | None = None) -> dict:
+    """The README's main job. `authors` shrinks minitofu (default 50 authors) for quick runs and tests."""
     ws = Workspace.resolve(home)
     configure_prefect(ws)
-    built = build_benchmark("minitofu", None, str(ws.root), split)
+    config = None
+    if authors is not None:
+        from grom_core.benchmarks.minitofu import MiniTofuConfig
+
+        config = MiniTofuConfig(authors=authors)
+    built = build_benchmark("minitofu", None, str(ws.root), split, config=config)
     from flows.unlearn import unlearn
     from grom_core.benchmarks.registry import get_benchmark
 
+    quiet_prefect_tracebacks()
     params = {**get_benchmark("minitofu").grom_params, **(params or {})}
     retain_split = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain90"}[built.split]
     spec = {"benchmark": "minitofu", "split": built.split, "reference": str(reference_path(built)),
@@ -31,8 +43,35 @@ def run_demo(home: str | None = None, split: str = "forget10", params: dict | No
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None) -> dict:
     ws = Workspace.resolve(home)
+    preflight(model, forget, retain, params or {})
     configure_prefect(ws)
     from flows.unlearn import unlearn
 
+    quiet_prefect_tracebacks()
     return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), params=params,
                    model_name=model_name, workers=workers, dask_address=dask_address)
+
+
+def preflight(model: str, forget: str, retain: str, params: dict) -> None:
+    """Check what can be checked before a flow starts, so a mistake costs one line and changes nothing."""
+    path = Path(model)
+    if not path.is_dir():
+        raise DataError(f"model directory {path} does not exist; pass a local directory written by save_pretrained")
+    if not any(path.glob("*.safetensors")):
+        raise DataError(f"{path} has no .safetensors weights; convert the checkpoint with "
+                        f"model.save_pretrained(dir, safe_serialization=True)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DataError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise UnsupportedArchitectureError(f"unknown architecture '{model_type}' (known: {known}); from Python, "
+                                           f"{HAND_NAMING_HINT}")
+    n_layers = config.get("num_hidden_layers", config.get("n_layer"))
+    bad = [layer for layer in params.get("layers") or [] if not (n_layers and 0 <= layer < n_layers)]
+    if bad:
+        raise DataError(f"layers {bad} do not exist; the model has layers 0..{(n_layers or 1) - 1}")
+    read_examples(forget)
+    read_examples(retain)

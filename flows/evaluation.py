@@ -20,12 +20,12 @@ log = logging.getLogger("grom.evaluation")
 
 
 def build_benchmark(name: str, out: str | None, home: str | None, split: str | None = None,
-                    train_models: bool = True, check: bool = True) -> BuiltBenchmark:
+                    train_models: bool = True, check: bool = True, config: object | None = None) -> BuiltBenchmark:
     """Build a shipped benchmark; with `check`, evaluate both models, save the retain model's per-question values
     as `references/retain-<split>.json` (what Forget Quality and PrivLeak compare against) and log the figures."""
     root = Path(out) if out else Workspace.resolve(home).root / "benchmarks"
     start = time.perf_counter()
-    built = build(name, root, split=split, train_models=train_models)
+    built = build(name, root, split=split, train_models=train_models, config=config)
     log.info("benchmark %s built in %.1f s: %s", name, time.perf_counter() - start, built.root)
     if train_models and check:
         built.checks = memorisation_check(built)
@@ -39,8 +39,15 @@ def reference_path(built: BuiltBenchmark) -> Path:
 def memorisation_check(built: BuiltBenchmark) -> dict:
     """Evaluate the retain model (saving its reference) and the target model against it; returns both metrics."""
     bench = get_benchmark(built.name)
-    splits = built.load_splits()
     path = reference_path(built)
+    done = path.with_name(f"checks-{built.split}.json")
+    models = {role: str(p) for role, p in built.models.items()}
+    if path.exists() and done.exists():
+        saved = json.loads(done.read_text())
+        if saved.get("models") == models:  # same models (content-addressed folders): nothing to redo
+            log.info("%s: reusing the memorisation check of %s", built.name, done)
+            return saved["metrics"]
+    splits = built.load_splits()
     results = {}
     for role in ("retain", "target"):
         start = time.perf_counter()
@@ -52,6 +59,7 @@ def memorisation_check(built: BuiltBenchmark) -> dict:
         results[role] = result["metrics"]
         log.info("%s %s model: %s (%.1f s)", built.name, role, _headline(result["metrics"]),
                  time.perf_counter() - start)
+    done.write_text(json.dumps({"models": models, "metrics": results}, default=str))
     return results
 
 

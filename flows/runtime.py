@@ -22,3 +22,23 @@ def configure_prefect(ws: Workspace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _NoTraceback:
+    """Keeps Prefect's failure messages but drops their tracebacks: a user mistake gets one line, not a trace."""
+
+    def filter(self, record) -> bool:
+        if record.exc_info:
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]}"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_prefect_tracebacks() -> None:
+    """Call after prefect is imported (it configures its loggers on import)."""
+    import logging
+
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logging.getLogger(name).addFilter(_NoTraceback())

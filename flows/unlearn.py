@@ -117,7 +117,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
                      "layers": layers["layers"], "params": manifest, "edit_dir": solved["edit_dir"]},
             "influence": influence_rows, "layer_scores": layers["scores"], "key_shards": solved["key_shards"],
             "stats_cache": [{"fingerprint": layers["fingerprint"], "retain_digest": data["retain"]["digest"],
-                             "module": m, "path": p, "n_positions": -1} for m, p in stats["paths"].items()],
+                             "module": m, "path": p, "n_positions": stats["counts"][m]}
+                            for m, p in stats["paths"].items()],
             "run": {"run_id": registration.run_id, "flow": "unlearn", "method": "grom",
                     "base_fingerprint": layers["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
                     "edit_id": solved["edit_id"], "forget_digest": data["forget"]["digest"],

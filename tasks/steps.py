@@ -135,6 +135,7 @@ def retain_statistics(model_dir: str, data: dict, modules: list[str], base_finge
             computed = compute(model, prep, missing)
         for name, stats in computed.items():
             stats.save(lake.stats_path(root, base_fingerprint, digest, name))
+        cached.update(computed)
     seconds = time.perf_counter() - start
     if cached:
         log.info("retain statistics: reused the cache for %d of %d modules (model %s, retain data %s)",
@@ -142,7 +143,8 @@ def retain_statistics(model_dir: str, data: dict, modules: list[str], base_finge
     if missing:
         log.info("retain statistics: computed %d modules in %.2f s", len(missing), seconds)
     return {"paths": {m: str(lake.stats_path(root, base_fingerprint, digest, m)) for m in modules},
-            "cache_hit": not missing, "cached_modules": sorted(cached), "seconds": seconds}
+            "counts": {m: cached[m].count for m in modules}, "cache_hit": not missing,
+            "cached_modules": sorted(set(modules) - set(missing)), "seconds": seconds}
 
 
 def _load_stats(paths: dict[str, str], fingerprint_: str) -> dict[str, GramStats]:

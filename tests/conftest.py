@@ -1,8 +1,14 @@
 """Shared fixtures: tiny real models built in the test session (no network, no downloads)."""
 
 import os
+import tempfile
 
+# Prefect and MLflow read their settings at import: point them at throwaway places before anything imports them.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="grom-test-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,217 @@
+"""End to end: the unlearn flow under the Prefect test harness, with real DuckDB, Parquet and MLflow on SQLite."""
+
+import json
+import shutil
+
+import duckdb
+import pytest
+import torch
+from conftest import FORGET, RETAIN
+
+from flows.demo import run_unlearn
+from grom_core.errors import DataError, GromError, NonFiniteError, UnsupportedArchitectureError
+from tasks.catalog import Catalog
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def write_jsonl(path, examples):
+    path.write_text("".join(json.dumps(ex.record()) + "\n" for ex in examples))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {"forget": write_jsonl(root / "forget.jsonl", FORGET), "retain": write_jsonl(root / "retain.jsonl", RETAIN),
+            "retain_less": write_jsonl(root / "retain_less.jsonl", RETAIN[:-1]),
+            "retain_with_forget": write_jsonl(root / "retain_dup.jsonl", RETAIN + FORGET[:3]),
+            "empty": str((root / "empty.jsonl").write_text("") or root / "empty.jsonl"),
+            "root": root}
+
+
+def unlearn(harness, trained_dir, files, home, retain="retain", **kw):
+    from flows.unlearn import unlearn as flow
+
+    return flow(model=str(trained_dir), forget=files["forget"], retain=files[retain], home=str(home), **kw)
+
+
+def registered_versions(home, name):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import configure
+
+    configure(home)
+    try:
+        return [v.version for v in MlflowClient().search_model_versions(f"name='{name}'")]
+    except Exception:
+        return []
+
+
+@pytest.fixture(scope="module")
+def first_run(harness, trained_dir, files, tmp_path_factory):
+    home = tmp_path_factory.mktemp("ws")
+    return home, unlearn(harness, trained_dir, files, home)
+
+
+def test_flow_leaves_catalog_rows_parquet_shards_and_a_registered_model(first_run):
+    home, result = first_run
+    assert result["method"] == "grom" and result["cached_stats"] is False
+    assert set(result["metrics"]["before"]) >= {"forget_probability", "retain_probability", "forget_rougeL_recall"}
+    assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"] / 5
+    assert set(result["timings_s"]) >= {"ingest", "score_layers", "retain_statistics", "solve", "total"}
+    catalog = Catalog(home / "catalog.duckdb")
+    assert catalog.query("SELECT count(*) AS n FROM datasets")[0]["n"] == 2
+    examples = catalog.query("SELECT count(*) AS n, count(DISTINCT sha256) AS d FROM examples")[0]
+    assert examples["n"] == len(FORGET) + len(RETAIN) and examples["d"] == examples["n"]
+    modules = result["modules"]
+    influence = catalog.query("SELECT module, count(*) AS n, count(DISTINCT example_index) AS e FROM influence "
+                              "GROUP BY module ORDER BY module")
+    assert sorted(r["module"] for r in influence) == sorted(modules)
+    assert all(r["n"] == r["e"] == len(FORGET) for r in influence)  # one row per forget example and module
+    run = catalog.query("SELECT * FROM runs")[0]
+    assert run["edit_id"] == result["edit_id"] and run["model_version"] == result["mlflow"]["version"]
+    shards = catalog.query("SELECT path, n_rows, dim, module FROM key_shards")
+    assert len(shards) == len(modules)
+    for shard in shards:  # readable with plain DuckDB SQL, key vectors castable to fixed-size arrays
+        got = duckdb.sql(f"SELECT count(*), min(len(key)), max((key::FLOAT[{shard['dim']}])[1]) IS NOT NULL "
+                         f"FROM read_parquet('{shard['path']}')").fetchall()[0]
+        assert got[0] == shard["n_rows"] and got[1] == shard["dim"] and got[2]
+    assert catalog.query("SELECT count(*) AS n FROM layer_scores")[0]["n"] == 4  # every layer scored
+
+
+def test_registered_artifacts_load_back(first_run):
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    from tasks.tracking import configure
+
+    home, result = first_run
+    configure(home)
+    name, version = result["mlflow"]["model_name"], result["mlflow"]["version"]
+    client = mlflow.tracking.MlflowClient()
+    tags = client.get_model_version(name, version).tags
+    assert tags["edit_id"] == result["edit_id"] and len(tags["base_fingerprint"]) == 64
+    run = client.get_run(result["mlflow"]["run_id"])
+    assert {i.dataset.name.split(":")[0] for i in run.inputs.dataset_inputs} == {"forget", "retain"}
+    assert run.data.metrics["after.forget_probability"] < run.data.metrics["before.forget_probability"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"edit", "influence", "plots"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/layer_scores.png", "plots/influence.png", "plots/report.md"} <= plots
+    model = AutoModelForCausalLM.from_pretrained(result["model_dir"])
+    assert model.config.model_type == "llama"
+    pipe = mlflow.transformers.load_model(f"models:/{name}/{version}")
+    out = pipe("Question: Where was the author born?\nAnswer:", max_new_tokens=5, do_sample=False)
+    assert isinstance(out[0]["generated_text"], str)
+    edit_dir = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="edit")
+    from grom_core.edit import Edit
+
+    assert Edit.load(edit_dir).edit_id == result["edit_id"]
+
+
+def test_second_run_reuses_the_statistics_and_changes_invalidate_them(first_run, harness, trained_dir, files):
+    home, first = first_run
+    second = unlearn(harness, trained_dir, files, home)
+    assert second["cached_stats"] is True and second["edit_id"] == first["edit_id"]
+    other_data = unlearn(harness, trained_dir, files, home, retain="retain_less")
+    assert other_data["cached_stats"] is False
+    other_model = home / "other-model"
+    shutil.copytree(trained_dir, other_model)
+    from grom_core.loading import load_model
+
+    model, tokenizer = load_model(other_model, device="cpu")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5
+    model.save_pretrained(other_model)
+    assert unlearn(harness, trained_dir.__class__(other_model), files, home)["cached_stats"] is False
+    versions = registered_versions(home, first["mlflow"]["model_name"])
+    assert len(versions) == 3  # trained_dir three times under one name; the other model has its own name
+
+
+def test_forget_examples_in_retain_are_dropped_with_a_warning(harness, trained_dir, files, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        result = unlearn(harness, trained_dir, files, tmp_path, retain="retain_with_forget")
+    assert "3 retain examples are also forget examples" in caplog.text
+    rows = Catalog(tmp_path / "catalog.duckdb").query("SELECT n_examples FROM datasets WHERE role = 'retain'")
+    assert rows == [{"n_examples": len(RETAIN)}] and result["edit_id"]
+
+
+def test_two_dask_workers_equal_one_process(trained_dir):
+    from grom_core.data import make_batches
+    from grom_core.fingerprint import weights_fingerprint
+    from grom_core.loading import load_model
+    from grom_core.statistics import accumulate
+    from tasks.distributed import sharded_statistics
+
+    model, tokenizer = load_model(trained_dir, device="cpu")
+    fp = weights_fingerprint(model)
+    modules = ["model.layers.2.mlp.down_proj", "lm_head"]
+    rows = [ex.record() for ex in RETAIN]
+    single = accumulate(model, make_batches(tokenizer, RETAIN, 16), modules, fingerprint=fp, data_digest="d")
+    import tempfile
+    from pathlib import Path
+
+    sharded = sharded_statistics(str(trained_dir), rows, modules, fingerprint=fp, data_digest="d",
+                                 out_dir=Path(tempfile.mkdtemp()), workers=2)
+    for name in modules:
+        assert sharded[name].count == single[name].count
+        assert torch.allclose(sharded[name].gram, single[name].gram, rtol=1e-9, atol=1e-9)
+
+
+def assert_nothing_changed(home):
+    path = home / "catalog.duckdb"
+    if path.exists():
+        assert Catalog(path).query("SELECT count(*) AS n FROM runs")[0]["n"] == 0
+        assert Catalog(path).query("SELECT count(*) AS n FROM edits")[0]["n"] == 0
+    assert registered_versions(home, "grom-unknown") == []
+
+
+def test_bad_inputs_give_one_error_and_change_nothing(harness, trained_dir, files, tmp_path):
+    home = tmp_path / "ws"
+    model = str(trained_dir)
+    cases = [
+        (DataError, "does not exist", dict(model=model, forget=str(tmp_path / "missing.jsonl"),
+                                           retain=files["retain"])),
+        (DataError, "no rows", dict(model=model, forget=files["empty"], retain=files["retain"])),
+        (DataError, "no .safetensors", dict(model=str(files["root"]), forget=files["forget"], retain=files["retain"])),
+        (DataError, "layers \\[9\\]", dict(model=model, forget=files["forget"], retain=files["retain"],
+                                          params={"layers": [9]})),
+    ]
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"question": "q", "answer": "a"}\n{broken\n')
+    cases.append((DataError, "line 2", dict(model=model, forget=str(bad_json), retain=files["retain"])))
+    wrong_cols = tmp_path / "cols.csv"
+    wrong_cols.write_text("prompt,completion\nx,y\n")
+    cases.append((DataError, "columns", dict(model=model, forget=str(wrong_cols), retain=files["retain"])))
+    mystery = tmp_path / "mystery"
+    shutil.copytree(trained_dir, mystery)
+    config = json.loads((mystery / "config.json").read_text())
+    (mystery / "config.json").write_text(json.dumps({**config, "model_type": "mystery"}))
+    cases.append((UnsupportedArchitectureError, "from_names", dict(model=str(mystery), forget=files["forget"],
+                                                                   retain=files["retain"])))
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=message):
+            run_unlearn(home=str(home), model_name="grom-unknown", **kwargs)
+    assert_nothing_changed(home)
+
+
+def test_non_finite_keys_fail_the_flow_and_change_nothing(harness, trained_dir, files, tmp_path):
+    from grom_core.loading import load_model
+
+    broken = tmp_path / "nan-model"
+    model, tokenizer = load_model(trained_dir, device="cpu")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, :] = float("nan")
+    model.save_pretrained(broken)
+    tokenizer.save_pretrained(broken)
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        unlearn(harness, broken, files, tmp_path / "ws", model_name="grom-unknown")
+    assert_nothing_changed(tmp_path / "ws")
+    assert issubclass(NonFiniteError, GromError)
