@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 from flows.evaluation import build_benchmark, reference_path
 from flows.runtime import configure_prefect, quiet_prefect_tracebacks
 from flows.workspace import Workspace
 from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
 from grom_core.errors import DataError, UnsupportedArchitectureError
+from grom_core.loading import check_model_dir
 from tasks.datafiles import read_examples
 
 log = logging.getLogger("grom.demo")
@@ -54,12 +54,7 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
 
 def preflight(model: str, forget: str, retain: str, params: dict) -> None:
     """Check what can be checked before a flow starts, so a mistake costs one line and changes nothing."""
-    path = Path(model)
-    if not path.is_dir():
-        raise DataError(f"model directory {path} does not exist; pass a local directory written by save_pretrained")
-    if not any(path.glob("*.safetensors")):
-        raise DataError(f"{path} has no .safetensors weights; convert the checkpoint with "
-                        f"model.save_pretrained(dir, safe_serialization=True)")
+    path = check_model_dir(model)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise DataError(f"{path} has no config.json; it is not a Hugging Face model directory")

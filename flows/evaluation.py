@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flows.workspace import Workspace
 from grom_core.benchmarks.registry import BuiltBenchmark, build, get_benchmark
-from grom_core.data import as_examples
+from grom_core.data import as_examples, read_json_object
 from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig, train_model
 from grom_core.loading import load_model
@@ -78,12 +78,7 @@ def read_reference(benchmark: str, path: str | Path):
             raise DataError(f"{path} holds no per-question forget truth ratios; write it with "
                             f"`grom evaluate --save-reference`")
         return ratios
-    if not path.is_file():
-        raise DataError(f"reference file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"reference file {path} is not valid JSON ({exc.msg})") from exc
+    data = read_json_object(path, "reference file")
     if benchmark == "minimuse":
         auc = data.get("per_question", {}).get("auc")
         if auc is None:

@@ -6,8 +6,10 @@ on every token after the first. Keys are captured where the *next* token is supe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -148,3 +150,17 @@ def iter_answer_tokens(batches: Sequence[Batch]) -> Iterator[int]:
     for batch in batches:
         supervised = batch.labels[:, 1:]
         yield from supervised[supervised != IGNORE_INDEX].tolist()
+
+
+def read_json_object(path: str | Path, what: str) -> dict:
+    """A JSON file holding one object, with errors that name `what` the file was meant to be."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(data, dict):
+        raise DataError(f"{what} {path} must hold a JSON object")
+    return data

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from grom_core.data import read_json_object
 from grom_core.errors import DataError
 from grom_core.metrics.tofu import SetScores, forget_quality, model_utility
 
@@ -95,15 +96,7 @@ def _read_open_unlearning(data: dict) -> TofuLog:
 
 def read_tofu_log(path: str | Path) -> TofuLog:
     """Read either layout; a file in neither gets an error that lists what was expected."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"TOFU log {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"TOFU log {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict):
-        raise DataError(f"TOFU log {path} must hold a JSON object")
+    data = read_json_object(path, "TOFU log")
     if any(name in data for name in ORIGINAL_FILES):
         return _read_original(data)
     if any(name in data for name in OPEN_UNLEARNING_NAMES):
