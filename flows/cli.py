@@ -43,17 +43,19 @@ def _emit(payload: dict, as_json: bool, table: Table | None) -> None:
 
 
 def _before_after_table(result: dict) -> Table:
-    table = Table(title=f"{result['method']} edit {result['edit_id']} on layers {result.get('layers')}")
+    where = f" on layers {result['layers']}" if result.get("layers") else ""
+    table = Table(title=f"{result['method']} edit {result['edit_id']}{where}")
     for column in ("metric", "before", "after"):
         table.add_column(column)
     before, after = result["metrics"]["before"], result["metrics"]["after"]
     for key, value in before.items():
         if isinstance(value, int | float) or isinstance(after.get(key), int | float):
             table.add_row(key, _fmt(value), _fmt(after.get(key)))
-    t = result["timings_s"]
-    table.caption = (f"unlearning {t['unlearning']:.2f} s (retain statistics "
-                     f"{'cached' if result.get('cached_stats') else 'computed'}), total {t['total']:.1f} s, "
-                     f"peak RSS {result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
+    t, u = result["timings_s"], result["unlearning"]
+    how = (f"retain statistics {'cached' if result.get('cached_stats') else 'computed'}" if result["method"] == "grom"
+           else f"{u['steps']} optimizer steps, {result['compose']}")
+    table.caption = (f"unlearning {t['unlearning']:.2f} s ({how}), total {t['total']:.1f} s, peak RSS "
+                     f"{result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
                      f"v{result['mlflow']['version']}")
     return table
 
@@ -63,6 +65,8 @@ def _fmt(value) -> str:
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
+MethodOpt = Annotated[str, typer.Option(help="grom, or a gradient method: ga, graddiff, npo, simnpo, idkdpo.")]
+ComposeOpt = Annotated[str | None, typer.Option(help="Gradient composition: sum, pcgrad or sago.")]
 DaskOpt = Annotated[str | None, typer.Option(help="Existing Dask scheduler, e.g. tcp://host:8786.")]
 
 
@@ -71,6 +75,8 @@ def demo(
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
     split: Annotated[str, typer.Option(help="minitofu forget split.")] = "forget10",
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
+    method: MethodOpt = "grom",
+    compose: ComposeOpt = None,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -79,7 +85,8 @@ def demo(
     from flows.demo import run_demo
 
     _setup_logging(True)
-    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors)
+    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors,
+                      method=method, compose=compose)
     _emit(result, as_json, _before_after_table(result))
 
 
@@ -88,7 +95,8 @@ def unlearn(
     model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors).")],
     forget: Annotated[str, typer.Option(help="Forget data: JSON, JSONL, Parquet or CSV.")],
     retain: Annotated[str, typer.Option(help="Retain data, same formats.")],
-    method: Annotated[str, typer.Option(help="Unlearning method.")] = "grom",
+    method: MethodOpt = "grom",
+    compose: ComposeOpt = None,
     layers: Annotated[str | None, typer.Option(help="Comma-separated layers to edit (default: automatic).")] = None,
     model_name: Annotated[str | None, typer.Option(help="Registered model name in MLflow.")] = None,
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
@@ -100,8 +108,6 @@ def unlearn(
     from flows.demo import run_unlearn
     from grom_core.errors import DataError
 
-    if method != "grom":
-        raise DataError(f"method '{method}' is not available; available: grom")
     params = {}
     if layers:
         try:
@@ -110,7 +116,7 @@ def unlearn(
             raise DataError(f"--layers must be comma-separated integers, got '{layers}'") from exc
     _setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=params, model_name=model_name, workers=workers,
-                         dask_address=dask_address)
+                         dask_address=dask_address, method=method, compose=compose)
     _emit(result, as_json, _before_after_table(result))
 
 

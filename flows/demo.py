@@ -17,7 +17,8 @@ log = logging.getLogger("grom.demo")
 
 
 def run_demo(home: str | None = None, split: str = "forget10", params: dict | None = None, workers: int = 0,
-             dask_address: str | None = None, authors: int | None = None) -> dict:
+             dask_address: str | None = None, authors: int | None = None, method: str = "grom",
+             compose: str | None = None) -> dict:
     """The README's main job. `authors` shrinks minitofu (default 50 authors) for quick runs and tests."""
     ws = Workspace.resolve(home)
     configure_prefect(ws)
@@ -31,25 +32,42 @@ def run_demo(home: str | None = None, split: str = "forget10", params: dict | No
     from grom_core.benchmarks.registry import get_benchmark
 
     quiet_prefect_tracebacks()
-    params = {**get_benchmark("minitofu").grom_params, **(params or {})}
+    check_method(method, compose)
+    if method == "grom":
+        params = {**get_benchmark("minitofu").grom_params, **(params or {})}
     retain_split = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain90"}[built.split]
     spec = {"benchmark": "minitofu", "split": built.split, "reference": str(reference_path(built)),
             "splits": {k: str(built.splits[k]) for k in (built.split, "retain_eval", "real_authors", "world_facts")}}
     return unlearn(model=str(built.models["target"]), forget=str(built.splits[built.split]),
                    retain=str(built.splits[retain_split]), home=str(ws.root), params=params, benchmark=spec,
-                   workers=workers, dask_address=dask_address)
+                   workers=workers, dask_address=dask_address, method=method, compose=compose)
 
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
-                model_name: str | None = None, workers: int = 0, dask_address: str | None = None) -> dict:
+                model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
+                method: str = "grom", compose: str | None = None) -> dict:
     ws = Workspace.resolve(home)
+    check_method(method, compose)
     preflight(model, forget, retain, params or {})
     configure_prefect(ws)
     from flows.unlearn import unlearn
 
     quiet_prefect_tracebacks()
     return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), params=params,
-                   model_name=model_name, workers=workers, dask_address=dask_address)
+                   model_name=model_name, workers=workers, dask_address=dask_address, method=method,
+                   compose=compose)
+
+
+def check_method(method: str, compose: str | None) -> None:
+    from grom_core.gradient.composition import COMPOSERS
+    from grom_core.gradient.methods import METHODS
+
+    if method != "grom" and method not in METHODS:
+        raise DataError(f"unknown method '{method}'; choose grom or one of {', '.join(sorted(METHODS))}")
+    if compose is not None and method == "grom":
+        raise DataError("--compose applies to gradient methods only; the closed form has nothing to compose")
+    if compose is not None and compose not in COMPOSERS:
+        raise DataError(f"unknown composer '{compose}'; choose one of {', '.join(sorted(COMPOSERS))}")
 
 
 def preflight(model: str, forget: str, retain: str, params: dict) -> None:

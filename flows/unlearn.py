@@ -7,7 +7,6 @@ Import this module only after `flows.runtime.configure_prefect` has set Prefect'
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.workspace import Workspace
 from grom_core.closed_form import GromParams
+from grom_core.profiling import measure
 from tasks import steps
 from tasks.catalog import Catalog, now, record_run
 from tasks.lake import safe_name
@@ -43,84 +43,89 @@ class _Stages:
         return result
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
-
-
 @flow(name="unlearn")
 def unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
             benchmark: dict | None = None, model_name: str | None = None, workers: int = 0,
-            dask_address: str | None = None, tags: dict | None = None) -> dict:
+            dask_address: str | None = None, tags: dict | None = None, method: str = "grom",
+            compose: str | None = None, trainer: dict | None = None) -> dict:
     """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
 
     Args:
         model: local model directory (save_pretrained, safetensors).
         forget, retain: data files (JSON, JSONL, Parquet or CSV with question/answer or text columns).
         home: workspace folder (default ./.grom or GROM_HOME).
-        params: GromParams fields (units documented there); None for the defaults.
+        params: hyper-parameters of the method (GromParams fields for grom, the method's dataclass otherwise).
         benchmark: {"benchmark", "split", "splits", "reference"} to evaluate with a shipped benchmark's metrics;
             None evaluates probability and ROUGE-L on the forget and retain data themselves.
         model_name: registered model name in MLflow (default from the benchmark or the model folder).
         workers: shard the retain statistics over a local Dask cluster of this many processes (0: in process).
         dask_address: an existing Dask scheduler (tcp://host:8786) instead.
         tags: extra tags for the MLflow run and model version (e.g. deletion request ids).
+        method: grom, or a gradient method: ga, graddiff, npo, simnpo, idkdpo.
+        compose: gradient composition for gradient methods: sum, pcgrad or sago.
+        trainer: TrainerParams fields for gradient methods (the recipe).
     """
     ws = Workspace.resolve(home)
     lake_root, started = str(ws.root / "lake"), now()
-    grom = GromParams(**{k: tuple(v) if k == "layers" and v is not None else v for k, v in (params or {}).items()})
-    manifest = steps.params_manifest(grom)
     stages = _Stages()
-
     data = stages.run("ingest", steps.ingest, forget, retain, lake_root)
-    layers = stages.run("score_layers", steps.score_layers, model, data, manifest)
-    stats = stages.run("retain_statistics", steps.retain_statistics, model, data, layers["modules"],
-                       layers["fingerprint"], manifest, lake_root, workers, dask_address)
-    solved = stages.run("solve", steps.solve_edit, model, data, layers, stats, manifest, lake_root, str(ws.edits))
+    if method == "grom":
+        solved = _closed_form(stages, model, data, params or {}, lake_root, ws, workers, dask_address)
+    else:
+        compose = compose or "sum"
+        solved = stages.run("train", steps.train_gradient, model, data, method, compose, params or {},
+                            trainer or {}, str(ws.edits))
+        solved.update({"layers": [], "scores": [], "stats": None, "audit": None, "key_shards": [],
+                       "manifest": {**(params or {}), **(trainer or {}), "compose": compose},
+                       "unlearning": {k: solved[k] for k in ("seconds", "peak_rss_mb", "steps", "forward_passes")}})
     edited = stages.run("apply_and_save", steps.apply_and_save, model, solved, str(ws.models))
-    audit = stages.run("influence", steps.influence_audit, solved, stats, layers["fingerprint"], data, manifest,
-                       lake_root)
     spec = dict(benchmark) if benchmark else {"forget": data["forget"], "retain": data["retain"]}
     cache_root = str(ws.root / "cache" / "evaluations")
     before = stages.run("evaluate_before", steps.evaluate, model, spec, cache_root)
     after = stages.run("evaluate_after", steps.evaluate, edited["model_dir"], spec, cache_root)
-    unlearning_s = sum(stages.timings[s] for s in ("score_layers", "retain_statistics", "solve"))
 
     plots = ws.root / "lake" / "plots" / solved["edit_id"]
-    if layers["scores"]:
-        layer_scores_plot(layers["scores"], layers["layers"], plots / "layer_scores.png")
-    import pyarrow.parquet as pq
+    plots.mkdir(parents=True, exist_ok=True)
+    if solved["scores"]:
+        layer_scores_plot(solved["scores"], solved["layers"], plots / "layer_scores.png")
+    influence_rows = []
+    if solved["audit"]:
+        import pyarrow.parquet as pq
 
-    influence_rows = pq.read_table(audit["path"]).to_pylist()
-    influence_plot(influence_rows, plots / "influence.png")
+        influence_rows = pq.read_table(solved["audit"]["path"]).to_pylist()
+        influence_plot(influence_rows, plots / "influence.png")
     name = model_name or (f"grom-{benchmark['benchmark']}-{benchmark['split']}" if benchmark
                           else f"grom-{safe_name(Path(model).name)}")
-    report = plots / "report.md"
-    report.write_text(_report(solved, layers, stats, before["metrics"], after["metrics"], stages.timings))
-    version_tags = {"base_fingerprint": layers["fingerprint"], "edit_id": solved["edit_id"], "method": "grom",
-                    "forget_digest": data["forget"]["digest"], "retain_digest": data["retain"]["digest"],
-                    **{k: str(v) for k, v in (tags or {}).items()}}
+    (plots / "report.md").write_text(_report(method, solved, before["metrics"], after["metrics"], stages.timings))
+    version_tags = {"base_fingerprint": solved["fingerprint"], "edit_id": solved["edit_id"], "method": method,
+                    "compose": compose or "", "forget_digest": data["forget"]["digest"],
+                    "retain_digest": data["retain"]["digest"], **{k: str(v) for k, v in (tags or {}).items()}}
+    artifacts = {"edit": Path(solved["edit_dir"]), "plots": plots}
+    if solved["audit"]:
+        artifacts["influence"] = Path(solved["audit"]["path"])
+    unlearning = solved["unlearning"]
     registration = stages.run(
-        "register", register, ws.root, run_name=f"unlearn-{solved['edit_id']}", model_name=name,
-        params={**{k: v for k, v in manifest.items()}, "layers_chosen": layers["layers"],
+        "register", register, ws.root, run_name=f"unlearn-{method}-{solved['edit_id']}", model_name=name,
+        params={**solved["manifest"], "method": method, "layers_chosen": solved["layers"],
                 "modules": solved["modules"], "model_dir": model},
         metrics={"before": before["metrics"], "after": after["metrics"],
-                 "timing": {**stages.timings, "unlearning": unlearning_s}},
-        datasets=[data["forget"], data["retain"]],
-        artifacts={"edit": Path(solved["edit_dir"]), "influence": Path(audit["path"]), "plots": plots},
+                 "timing": {**stages.timings, "unlearning": unlearning["seconds"]},
+                 "unlearning": {k: v for k, v in unlearning.items() if isinstance(v, int | float)}},
+        datasets=[data["forget"], data["retain"]], artifacts=artifacts,
         edited_model_dir=Path(edited["model_dir"]), tags=version_tags)
-    timings = {**stages.timings, "unlearning": unlearning_s, "total": time.perf_counter() - stages.start}
+    timings = {**stages.timings, "unlearning": unlearning["seconds"], "total": time.perf_counter() - stages.start}
     try:
         record_run(Catalog(ws.root / "catalog.duckdb"), {
             "datasets": [_dataset_row(d) for d in (data["forget"], data["retain"])],
-            "edit": {"edit_id": solved["edit_id"], "method": "grom", "base_fingerprint": layers["fingerprint"],
+            "edit": {"edit_id": solved["edit_id"], "method": method, "base_fingerprint": solved["fingerprint"],
                      "edited_fingerprint": edited["edited_fingerprint"], "modules": solved["modules"],
-                     "layers": layers["layers"], "params": manifest, "edit_dir": solved["edit_dir"]},
-            "influence": influence_rows, "layer_scores": layers["scores"], "key_shards": solved["key_shards"],
-            "stats_cache": [{"fingerprint": layers["fingerprint"], "retain_digest": data["retain"]["digest"],
-                             "module": m, "path": p, "n_positions": stats["counts"][m]}
-                            for m, p in stats["paths"].items()],
-            "run": {"run_id": registration.run_id, "flow": "unlearn", "method": "grom",
-                    "base_fingerprint": layers["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
+                     "layers": solved["layers"], "params": solved["manifest"], "edit_dir": solved["edit_dir"]},
+            "influence": influence_rows, "layer_scores": solved["scores"], "key_shards": solved["key_shards"],
+            "stats_cache": [{"fingerprint": solved["fingerprint"], "retain_digest": data["retain"]["digest"],
+                             "module": m, "path": p, "n_positions": solved["stats"]["counts"][m]}
+                            for m, p in (solved["stats"] or {"paths": {}})["paths"].items()],
+            "run": {"run_id": registration.run_id, "flow": "unlearn", "method": method, "compose": compose,
+                    "base_fingerprint": solved["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
                     "edit_id": solved["edit_id"], "forget_digest": data["forget"]["digest"],
                     "retain_digest": data["retain"]["digest"], "mlflow_run_id": registration.run_id,
                     "model_name": name, "model_version": registration.version, "model_dir": edited["model_dir"],
@@ -132,16 +137,36 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
         raise
 
     result = {
-        "method": "grom", "compose": None, "edit_id": solved["edit_id"], "layers": layers["layers"],
-        "modules": solved["modules"], "cached_stats": stats["cache_hit"],
+        "method": method, "compose": compose if method != "grom" else None, "edit_id": solved["edit_id"],
+        "layers": solved["layers"], "modules": solved["modules"],
+        "cached_stats": solved["stats"]["cache_hit"] if solved["stats"] else None,
         "metrics": {"before": before["metrics"], "after": after["metrics"], "quantized": {}},
-        "timings_s": timings, "peak_rss_mb": peak_rss_mb(),
+        "unlearning": unlearning, "timings_s": timings, "peak_rss_mb": unlearning["peak_rss_mb"],
         "mlflow": {"run_id": registration.run_id, "model_name": name, "version": registration.version},
-        "model_dir": edited["model_dir"], "edit_dir": solved["edit_dir"], "influence": audit,
+        "model_dir": edited["model_dir"], "edit_dir": solved["edit_dir"], "influence": solved["audit"],
         "workspace": str(ws.root),
     }
     _publish(result)
     return result
+
+
+def _closed_form(stages: _Stages, model: str, data: dict, params: dict, lake_root: str, ws: Workspace,
+                 workers: int, dask_address: str | None) -> dict:
+    """The GROM stages: layer scores, retain statistics, solve, influence audit."""
+    grom = GromParams(**{k: tuple(v) if k == "layers" and v is not None else v for k, v in params.items()})
+    manifest = steps.params_manifest(grom)
+    with measure() as cost:
+        layers = stages.run("score_layers", steps.score_layers, model, data, manifest)
+        stats = stages.run("retain_statistics", steps.retain_statistics, model, data, layers["modules"],
+                           layers["fingerprint"], manifest, lake_root, workers, dask_address)
+        solved = stages.run("solve", steps.solve_edit, model, data, layers, stats, manifest, lake_root,
+                            str(ws.edits))
+    audit = stages.run("influence", steps.influence_audit, solved, stats, layers["fingerprint"], data, manifest,
+                       lake_root)
+    return {**solved, "layers": layers["layers"], "scores": layers["scores"], "fingerprint": layers["fingerprint"],
+            "stats": stats, "audit": audit, "manifest": manifest,
+            "unlearning": {"seconds": cost.seconds, "peak_rss_mb": cost.peak_rss_mb, "steps": 0,
+                           "forward_passes": None, "cached_stats": stats["cache_hit"]}}
 
 
 def _dataset_row(manifest: dict) -> dict:
@@ -153,11 +178,12 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _report(solved, layers, stats, before, after, timings) -> str:
-    lines = [f"# GROM edit {solved['edit_id']}", "",
-             f"Layers {layers['layers']}, modules {', '.join(solved['modules'])}; retain statistics "
-             f"{'from the cache' if stats['cache_hit'] else 'computed'}.", "",
-             "| metric | before | after |", "|---|---|---|"]
+def _report(method: str, solved: dict, before: dict, after: dict, timings: dict) -> str:
+    lines = [f"# {method} edit {solved['edit_id']}", "", f"Modules: {', '.join(solved['modules'])}."]
+    if solved["stats"]:
+        lines.append(f"Layers {solved['layers']}; retain statistics "
+                     f"{'from the cache' if solved['stats']['cache_hit'] else 'computed'}.")
+    lines += ["", "| metric | before | after |", "|---|---|---|"]
     for key in before:
         if isinstance(before[key], int | float) or isinstance(after.get(key), int | float):
             lines.append(f"| {key} | {_fmt(before[key])} | {_fmt(after.get(key))} |")
@@ -176,6 +202,5 @@ def _publish(result: dict) -> None:
         key="unlearning-summary",
         markdown=(f"# Edit {result['edit_id']}\n\nModules: {', '.join(result['modules'])}\n\n"
                   f"MLflow: {result['mlflow']['model_name']} version {result['mlflow']['version']}\n\n"
-                  f"Unlearning took {result['timings_s']['unlearning']:.2f} s "
-                  f"(retain statistics {'cached' if result['cached_stats'] else 'computed'})."),
+                  f"Unlearning ({result['method']}) took {result['timings_s']['unlearning']:.2f} s."),
         description="GROM unlearning summary")

@@ -89,6 +89,11 @@ class Catalog:
             return [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
 
 
+def _insert_many(con, sql: str, rows: list[list]) -> None:
+    if rows:  # DuckDB refuses an empty executemany
+        con.executemany(sql, rows)
+
+
 def insert_dataset(con, dataset: dict) -> None:
     """A dataset and its examples (content-addressed: inserting the same dataset twice is a no-op)."""
     if con.execute("SELECT 1 FROM datasets WHERE digest = ?", [dataset["digest"]]).fetchone():
@@ -96,7 +101,7 @@ def insert_dataset(con, dataset: dict) -> None:
     con.execute("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?)",
                 [dataset["digest"], dataset["name"], dataset["role"], len(dataset["examples"]), dataset["source"],
                  now()])
-    con.executemany("INSERT INTO examples VALUES (?, ?, ?, ?, ?, ?, FALSE)",
+    _insert_many(con, "INSERT INTO examples VALUES (?, ?, ?, ?, ?, ?, FALSE)",
                     [[dataset["digest"], i, ex["sha256"], ex.get("question"), ex.get("answer"), ex.get("text")]
                      for i, ex in enumerate(dataset["examples"])])
 
@@ -116,13 +121,13 @@ def record_run(catalog: Catalog, run: dict) -> None:
                         [edit["edit_id"], edit["method"], edit["base_fingerprint"], edit["edited_fingerprint"],
                          json.dumps(edit["modules"]), json.dumps(edit["layers"]), json.dumps(edit["params"]),
                          edit["edit_dir"], now()])
-            con.executemany("INSERT INTO influence VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            _insert_many(con, "INSERT INTO influence VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             [[edit["edit_id"], r["module"], r["example_index"], r["example_sha256"], r["value"],
                               r["min_eig"], r["flagged"], r["refit"]] for r in run.get("influence", [])])
-            con.executemany("INSERT INTO layer_scores VALUES (?, ?, ?, ?, ?, ?)",
+            _insert_many(con, "INSERT INTO layer_scores VALUES (?, ?, ?, ?, ?, ?)",
                             [[edit["edit_id"], r["layer"], r["forget"], r["retain"], r["score"], r["chosen"]]
                              for r in run.get("layer_scores", [])])
-            con.executemany("INSERT INTO key_shards VALUES (?, ?, ?, ?, ?)",
+            _insert_many(con, "INSERT INTO key_shards VALUES (?, ?, ?, ?, ?)",
                             [[edit["edit_id"], r["module"], r["path"], r["n_rows"], r["dim"]]
                              for r in run.get("key_shards", [])])
         for r in run.get("stats_cache", []):

@@ -254,6 +254,29 @@ def evaluate(model_dir: str, spec: dict, cache_root: str) -> dict:
     return result
 
 
+@task(name="train-gradient", cache_policy=NO_CACHE)
+def train_gradient(model_dir: str, data: dict, method: str, compose: str, method_params: dict, trainer: dict,
+                   edits_root: str) -> dict:
+    """A gradient-based method (GA, GradDiff, NPO, SimNPO, IdkDPO with sum, PCGrad or SAGO); writes the Edit."""
+    from grom_core.gradient.methods import METHODS
+    from grom_core.gradient.trainer import TrainerParams, unlearn_gradient
+    from grom_core.profiling import measure
+
+    if method not in METHODS:
+        raise DataError(f"unknown method '{method}'; choose grom or one of {', '.join(sorted(METHODS))}")
+    model, tokenizer = load_for_edit(model_dir)
+    params = METHODS[method].params(**method_params)
+    with measure() as cost:
+        run = unlearn_gradient(model, tokenizer, read_dataset(data["forget"]), read_dataset(data["retain"]),
+                               method=method, compose=compose, method_params=params,
+                               trainer=TrainerParams(**trainer))
+    edit_dir = run.edit.save(Path(edits_root) / run.edit.edit_id)
+    return {"edit_id": run.edit.edit_id, "edit_dir": str(edit_dir), "modules": run.edit.modules,
+            "steps": run.steps, "forward_passes": run.forward_passes, "seconds": cost.seconds,
+            "peak_rss_mb": cost.peak_rss_mb, "peak_cuda_mb": cost.peak_cuda_mb,
+            "fingerprint": run.edit.base_fingerprint}
+
+
 def params_manifest(params: GromParams) -> dict:
     values = asdict(replace(params, influence=False))  # the flow runs the audit as its own task
     values["layers"] = list(params.layers) if params.layers is not None else None

@@ -215,3 +215,18 @@ def test_non_finite_keys_fail_the_flow_and_change_nothing(harness, trained_dir, 
         unlearn(harness, broken, files, tmp_path / "ws", model_name="grom-unknown")
     assert_nothing_changed(tmp_path / "ws")
     assert issubclass(NonFiniteError, GromError)
+
+
+def test_gradient_method_runs_through_the_same_flow(harness, trained_dir, files, tmp_path):
+    result = unlearn(harness, trained_dir, files, tmp_path, method="npo", compose="sago",
+                     trainer={"epochs": 2, "batch_size": 4, "grad_accum": 2, "lr": 2e-3})
+    assert result["method"] == "npo" and result["compose"] == "sago" and result["cached_stats"] is None
+    assert result["unlearning"]["steps"] == 2 * 2 and result["unlearning"]["peak_rss_mb"] > 0
+    assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"]
+    rows = Catalog(tmp_path / "catalog.duckdb").query("SELECT method, compose FROM runs")
+    assert rows == [{"method": "npo", "compose": "sago"}]
+    assert Catalog(tmp_path / "catalog.duckdb").query("SELECT method FROM edits") == [{"method": "npo"}]
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient().get_run(result["mlflow"]["run_id"])
+    assert run.data.metrics["unlearning.steps"] == 4 and run.data.params["method"] == "npo"

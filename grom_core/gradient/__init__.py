@@ -1,0 +1,1 @@
+"""Gradient-based unlearning baselines (GA, GradDiff, NPO, SimNPO, IdkDPO) with retention-first composition."""

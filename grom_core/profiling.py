@@ -1,0 +1,62 @@
+"""Wall time and peak memory of one piece of work, measured in-process.
+
+Peak resident memory is sampled from /proc/self/statm by a background thread (every `interval` seconds) while the
+work runs, so each measured call gets its own peak, not the process's lifetime maximum; on CUDA the peak of
+allocated device memory is reported too. Compare such numbers within one process only (see `grom bench`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_mb() -> float:
+    """Current resident set size in MB (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * _PAGE / 2**20
+    except OSError:
+        return 0.0
+
+
+@dataclass
+class Measurement:
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_cuda_mb: float | None = None
+
+
+@contextmanager
+def measure(interval: float = 0.02) -> Iterator[Measurement]:
+    """`with measure() as m: ...` then m.seconds and m.peak_rss_mb (and m.peak_cuda_mb on CUDA)."""
+    result = Measurement(peak_rss_mb=rss_mb())
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            result.peak_rss_mb = max(result.peak_rss_mb, rss_mb())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result.seconds = time.perf_counter() - start
+        result.peak_rss_mb = max(result.peak_rss_mb, rss_mb())
+        if cuda:
+            result.peak_cuda_mb = torch.cuda.max_memory_allocated() / 2**20
