@@ -26,6 +26,16 @@ def test_demo_json(tmp_path):
     assert result["mlflow"]["version"] == "1" and result["timings_s"]["total"] > 0
     assert "quantized" in result["metrics"]
     assert (tmp_path / "ws" / "catalog.duckdb").exists()
+    # a gradient baseline through the same flow, reusing the trained models of the first run
+    done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"), "--method", "npo",
+                "--compose", "sago")
+    assert done.returncode == 0, done.stderr[-3000:]
+    npo = json.loads(done.stdout)
+    assert npo["method"] == "npo" and npo["compose"] == "sago" and npo["unlearning"]["steps"] > 0
+    assert npo["mlflow"]["version"] == "2" and npo["unlearning"]["peak_rss_mb"] > 0
+    assert npo["metrics"]["before"] == result["metrics"]["before"]
+    done = grom("demo", "--home", str(tmp_path / "ws"), "--method", "grom", "--compose", "sago")
+    assert done.returncode == 2 and "gradient methods only" in done.stderr
 
 
 def test_workspace_that_is_a_file_is_a_one_line_error(tmp_path):
