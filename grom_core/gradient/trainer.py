@@ -147,12 +147,12 @@ def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = 
                     loss_f = _forget_objective(model, reference, spec, params, fb, idk_batches[i], device)
                     passes += 1 + spec.needs_reference + 2 * spec.needs_idk
                     _accumulate(loss_f * params.gamma / len(group), trained, g_f)
-                    epoch_f += float(loss_f)
+                    epoch_f += loss_f.item()
                     if params.alpha:
                         loss_r = _retain_objective(model, reference, params, rb)
                         passes += 1 + (params.retain_loss == "kl")
                         _accumulate(loss_r * params.alpha / len(group), trained, g_r)
-                        epoch_r += float(loss_r)
+                        epoch_r += loss_r.item()
                 # the weights are already in g_f and g_r, so the composer combines them with unit weights
                 composed = composer(g_f, g_r, 1.0, 1.0)
                 for p, g in zip(trained, composed, strict=True):
