@@ -48,9 +48,12 @@ def _before_after_table(result: dict) -> Table:
     for column in ("metric", "before", "after"):
         table.add_column(column)
     before, after = result["metrics"]["before"], result["metrics"]["after"]
+    quantized = {q: m for q, m in result["metrics"].get("quantized", {}).items() if isinstance(m, dict)}
+    for name in quantized:
+        table.add_column(f"after {name}")
     for key, value in before.items():
         if isinstance(value, int | float) or isinstance(after.get(key), int | float):
-            table.add_row(key, _fmt(value), _fmt(after.get(key)))
+            table.add_row(key, _fmt(value), _fmt(after.get(key)), *[_fmt(m.get(key)) for m in quantized.values()])
     t, u = result["timings_s"], result["unlearning"]
     how = (f"retain statistics {'cached' if result.get('cached_stats') else 'computed'}" if result["method"] == "grom"
            else f"{u['steps']} optimizer steps, {result['compose']}")
@@ -77,6 +80,7 @@ def demo(
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
     method: MethodOpt = "grom",
     compose: ComposeOpt = None,
+    quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = True,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -86,7 +90,7 @@ def demo(
 
     _setup_logging(True)
     result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors,
-                      method=method, compose=compose)
+                      method=method, compose=compose, quantization=quantization)
     _emit(result, as_json, _before_after_table(result))
 
 
@@ -99,6 +103,7 @@ def unlearn(
     compose: ComposeOpt = None,
     layers: Annotated[str | None, typer.Option(help="Comma-separated layers to edit (default: automatic).")] = None,
     model_name: Annotated[str | None, typer.Option(help="Registered model name in MLflow.")] = None,
+    quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = False,
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
@@ -116,7 +121,7 @@ def unlearn(
             raise DataError(f"--layers must be comma-separated integers, got '{layers}'") from exc
     _setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=params, model_name=model_name, workers=workers,
-                         dask_address=dask_address, method=method, compose=compose)
+                         dask_address=dask_address, method=method, compose=compose, quantization=quantization)
     _emit(result, as_json, _before_after_table(result))
 
 

@@ -18,7 +18,7 @@ log = logging.getLogger("grom.demo")
 
 def run_demo(home: str | None = None, split: str = "forget10", params: dict | None = None, workers: int = 0,
              dask_address: str | None = None, authors: int | None = None, method: str = "grom",
-             compose: str | None = None) -> dict:
+             compose: str | None = None, quantization: bool = True) -> dict:
     """The README's main job. `authors` shrinks minitofu (default 50 authors) for quick runs and tests."""
     ws = Workspace.resolve(home)
     configure_prefect(ws)
@@ -40,12 +40,13 @@ def run_demo(home: str | None = None, split: str = "forget10", params: dict | No
             "splits": {k: str(built.splits[k]) for k in (built.split, "retain_eval", "real_authors", "world_facts")}}
     return unlearn(model=str(built.models["target"]), forget=str(built.splits[built.split]),
                    retain=str(built.splits[retain_split]), home=str(ws.root), params=params, benchmark=spec,
-                   workers=workers, dask_address=dask_address, method=method, compose=compose)
+                   workers=workers, dask_address=dask_address, method=method, compose=compose,
+                   quantization=quantization)
 
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
-                method: str = "grom", compose: str | None = None) -> dict:
+                method: str = "grom", compose: str | None = None, quantization: bool = False) -> dict:
     ws = Workspace.resolve(home)
     check_method(method, compose)
     preflight(model, forget, retain, params or {})
@@ -55,7 +56,7 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
     quiet_prefect_tracebacks()
     return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), params=params,
                    model_name=model_name, workers=workers, dask_address=dask_address, method=method,
-                   compose=compose)
+                   compose=compose, quantization=quantization)
 
 
 def check_method(method: str, compose: str | None) -> None:

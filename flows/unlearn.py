@@ -47,7 +47,7 @@ class _Stages:
 def unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
             benchmark: dict | None = None, model_name: str | None = None, workers: int = 0,
             dask_address: str | None = None, tags: dict | None = None, method: str = "grom",
-            compose: str | None = None, trainer: dict | None = None) -> dict:
+            compose: str | None = None, trainer: dict | None = None, quantization: bool = True) -> dict:
     """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
 
     Args:
@@ -64,6 +64,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
         method: grom, or a gradient method: ga, graddiff, npo, simnpo, idkdpo.
         compose: gradient composition for gradient methods: sum, pcgrad or sago.
         trainer: TrainerParams fields for gradient methods (the recipe).
+        quantization: run the quantization recovery attack on the edited model (fp4, nf4, int8, rtn4, and fp4
+            with the LM head kept) and report it under metrics.quantized.
     """
     ws = Workspace.resolve(home)
     lake_root, started = str(ws.root / "lake"), now()
@@ -83,6 +85,10 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
     cache_root = str(ws.root / "cache" / "evaluations")
     before = stages.run("evaluate_before", steps.evaluate, model, spec, cache_root)
     after = stages.run("evaluate_after", steps.evaluate, edited["model_dir"], spec, cache_root)
+    quantized = {}
+    if quantization:
+        quantized = stages.run("quantization", steps.quantization_check, edited["model_dir"], model,
+                               solved["edit_dir"], spec, after["metrics"])
 
     plots = ws.root / "lake" / "plots" / solved["edit_id"]
     plots.mkdir(parents=True, exist_ok=True)
@@ -109,6 +115,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
         params={**solved["manifest"], "method": method, "layers_chosen": solved["layers"],
                 "modules": solved["modules"], "model_dir": model},
         metrics={"before": before["metrics"], "after": after["metrics"],
+                 **{f"quantized.{q}": m for q, m in quantized.items() if isinstance(m, dict)},
                  "timing": {**stages.timings, "unlearning": unlearning["seconds"]},
                  "unlearning": {k: v for k, v in unlearning.items() if isinstance(v, int | float)}},
         datasets=[data["forget"], data["retain"]], artifacts=artifacts,
@@ -140,7 +147,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
         "method": method, "compose": compose if method != "grom" else None, "edit_id": solved["edit_id"],
         "layers": solved["layers"], "modules": solved["modules"],
         "cached_stats": solved["stats"]["cache_hit"] if solved["stats"] else None,
-        "metrics": {"before": before["metrics"], "after": after["metrics"], "quantized": {}},
+        "metrics": {"before": before["metrics"], "after": after["metrics"], "quantized": quantized},
         "unlearning": unlearning, "timings_s": timings, "peak_rss_mb": unlearning["peak_rss_mb"],
         "mlflow": {"run_id": registration.run_id, "model_name": name, "version": registration.version},
         "model_dir": edited["model_dir"], "edit_dir": solved["edit_dir"], "influence": solved["audit"],

@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grom_core.adapter import ModelAdapter
+from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.closed_form import GromParams, edited_modules, prepare, select_layers, solve
 from grom_core.edit import Edit
 from grom_core.errors import DataError
@@ -221,14 +221,27 @@ def influence_audit(solved: dict, stats: dict, base_fingerprint: str, data: dict
     return {"path": str(path), "rows": len(rows), "flagged": flagged}
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
-def evaluate(model_dir: str, spec: dict, cache_root: str) -> dict:
-    """Metrics of one model: a shipped benchmark's (spec["benchmark"]) or probability/ROUGE on the user's data.
-
-    Cached by (weights fingerprint, evaluation spec digest): the unedited model is evaluated once.
-    """
+def evaluate_loaded(model, tokenizer, spec: dict) -> dict:
+    """Metrics of a loaded model: a shipped benchmark's (spec["benchmark"]) or probability/ROUGE on the user's data."""
     from flows.evaluation import read_reference
 
+    if spec.get("benchmark"):
+        from grom_core.benchmarks.registry import get_benchmark, read_split
+
+        bench = get_benchmark(spec["benchmark"])
+        splits = {name: read_split(Path(path)) for name, path in spec["splits"].items()}
+        reference = read_reference(spec["benchmark"], spec["reference"]) if spec.get("reference") else None
+        return bench.evaluate(model, tokenizer, splits, spec["split"], reference)["metrics"]
+    from grom_core.benchmarks.owndata import evaluate_own
+
+    return evaluate_own(model, tokenizer, read_dataset(spec["forget"]), read_dataset(spec["retain"]),
+                        max_examples=spec.get("max_examples", 200))
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def evaluate(model_dir: str, spec: dict, cache_root: str) -> dict:
+    """Metrics of one model, cached by (weights fingerprint, evaluation spec digest): the unedited model is
+    evaluated once."""
     model, tokenizer = load_model(model_dir)
     key = f"{weights_fingerprint(model)[:24]}-{data_digest([spec])[:16]}"
     cache = Path(cache_root) / f"{key}.json"
@@ -236,22 +249,57 @@ def evaluate(model_dir: str, spec: dict, cache_root: str) -> dict:
         log.info("evaluate: reusing cached metrics of %s", model_dir)
         return json.loads(cache.read_text())
     start = time.perf_counter()
-    if spec.get("benchmark"):
-        from grom_core.benchmarks.registry import get_benchmark, read_split
-
-        bench = get_benchmark(spec["benchmark"])
-        splits = {name: read_split(Path(path)) for name, path in spec["splits"].items()}
-        reference = read_reference(spec["benchmark"], spec["reference"]) if spec.get("reference") else None
-        metrics = bench.evaluate(model, tokenizer, splits, spec["split"], reference)["metrics"]
-    else:
-        from grom_core.benchmarks.owndata import evaluate_own
-
-        metrics = evaluate_own(model, tokenizer, read_dataset(spec["forget"]), read_dataset(spec["retain"]),
-                               max_examples=spec.get("max_examples", 200))
-    result = {"metrics": metrics, "seconds": time.perf_counter() - start}
+    result = {"metrics": evaluate_loaded(model, tokenizer, spec), "seconds": time.perf_counter() - start}
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     return result
+
+
+RECOVERY_KEYS = ("forget_rougeL_recall", "forget_probability", "forget_accuracy", "verbmem_rougeL_f1")
+
+
+@task(name="quantization-check", cache_policy=NO_CACHE)
+def quantization_check(edited_dir: str, base_dir: str, edit_dir: str, spec: dict, after: dict,
+                       names: list[str] | None = None) -> dict:
+    """Evaluate the edited model after each quantize-dequantize attack; report recovery and edit survival.
+
+    Returns {quantizer: {metrics..., "recovery_<forget metric>": quantized - unquantized, "codes_changed",
+    "norm_survival"}} and, under "_note", what could not run.
+    """
+    from grom_core.quantization import edit_survival, quantized, quantizers
+
+    specs = quantizers()
+    wanted = names or list(specs)
+    model, tokenizer = load_model(edited_dir)
+    base, _ = load_model(base_dir, device="cpu")
+    edit = Edit.load(edit_dir)
+    out: dict = {}
+    missing = [n for n in wanted if n not in specs]
+    if missing:
+        out["_note"] = f"not run (bitsandbytes unavailable): {', '.join(missing)}"
+    for name in [n for n in wanted if n in specs]:
+        start = time.perf_counter()
+        with quantized(model, specs[name]) as n_matrices:
+            metrics = evaluate_loaded(model, tokenizer, spec)
+        for key in RECOVERY_KEYS:
+            if isinstance(metrics.get(key), float) and isinstance(after.get(key), float):
+                metrics[f"recovery_{key}"] = metrics[key] - after[key]
+        survival = [edit_survival(weight_out_in(base.get_submodule(m)).detach(), d.full(), specs[name])
+                    for m, d in edit.deltas.items()
+                    if specs[name].include_lm_head or m != _head_name(base)]
+        if survival:
+            metrics["codes_changed"] = sum(s["codes_changed"] for s in survival) / len(survival)
+            metrics["norm_survival"] = sum(s["norm_survival"] for s in survival) / len(survival)
+        out[name] = metrics
+        log.info("quantization %s (%d matrices): %s, %.1f s", name, n_matrices,
+                 ", ".join(f"{k} {metrics[k]:+.3f}" for k in metrics if k.startswith("recovery_")),
+                 time.perf_counter() - start)
+    return out
+
+
+def _head_name(model) -> str | None:
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_modules() if m is head), None)
 
 
 @task(name="train-gradient", cache_policy=NO_CACHE)

@@ -1,0 +1,123 @@
+"""The quantization recovery attack: quantize-then-dequantize round trips of a model's linear weights.
+
+Quantizers (each a function W [out, in] -> (deq(Q(W)), codes)):
+- fp4, nf4: bitsandbytes 4-bit, absmax blocks of 64 (fp4 is what `load_in_4bit=True` alone gives);
+- int8: row-wise absmax 8-bit (LLM.int8's vector-wise quantization, without the outlier split);
+- rtn4: pure-torch round-to-nearest symmetric 4-bit with groups of 128 (no bitsandbytes needed).
+Two ways: every linear layer including the LM head, or the way transformers does it (LM head kept in full
+precision, `fp4_head_kept`). A small edit can vanish in the rounding: the diagnostics say how many 4-bit codes the
+edit changes and how much of its norm survives ||deq(Q(W+P)) - deq(Q(W))|| / ||P||.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grom_core.adapter import is_conv1d, weight_out_in
+
+log = logging.getLogger(__name__)
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rtn4(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest 4-bit, scale absmax / 7 per group of `group` inputs; (dequantized, codes)."""
+    w = weight.float()
+    out_dim, in_dim = w.shape
+    pad = (-in_dim) % group
+    padded = torch.nn.functional.pad(w, (0, pad)).reshape(out_dim, -1, group)
+    scale = padded.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7
+    codes = torch.clamp(torch.round(padded / scale), -8, 7)
+    deq = (codes * scale).reshape(out_dim, -1)[:, :in_dim]
+    return deq.to(weight.dtype), codes.reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+
+
+def int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise absmax int8: scale absmax / 127 per output row; (dequantized, codes)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    codes = torch.clamp(torch.round(w / scale), -127, 127)
+    return (codes * scale).to(weight.dtype), codes.to(torch.int8)
+
+
+def _bnb_4bit(kind: str) -> Quantizer:
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import bitsandbytes.functional as bnbf
+
+        packed, state = bnbf.quantize_4bit(weight.float().contiguous(), blocksize=64, quant_type=kind)
+        deq = bnbf.dequantize_4bit(packed, state).reshape(weight.shape)
+        flat = packed.flatten()
+        codes = torch.stack([flat >> 4, flat & 0x0F], dim=1).flatten()  # two 4-bit codes per byte
+        return deq.to(weight.dtype), codes
+    return quantize
+
+
+def bitsandbytes_available() -> bool:
+    try:
+        import bitsandbytes.functional as bnbf
+
+        bnbf.quantize_4bit(torch.ones(64, 64), blocksize=64, quant_type="fp4")
+        return True
+    except Exception as exc:  # no wheel for this platform, or no CPU kernels
+        log.warning("bitsandbytes is unavailable here (%s); only the pure-torch rtn4 quantizer runs", exc)
+        return False
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One attack: a quantizer and whether the LM head is quantized too."""
+
+    name: str
+    quantize: Quantizer
+    include_lm_head: bool = True
+
+
+def quantizers(available: bool | None = None) -> dict[str, QuantSpec]:
+    """The attacks that run on this machine: fp4, nf4, int8, rtn4, fp4_head_kept (rtn4 only without bitsandbytes)."""
+    specs = {"rtn4": QuantSpec("rtn4", rtn4)}
+    if available if available is not None else bitsandbytes_available():
+        specs = {"fp4": QuantSpec("fp4", _bnb_4bit("fp4")), "nf4": QuantSpec("nf4", _bnb_4bit("nf4")),
+                 "int8": QuantSpec("int8", int8_rowwise), **specs,
+                 "fp4_head_kept": QuantSpec("fp4_head_kept", _bnb_4bit("fp4"), include_lm_head=False)}
+    return specs
+
+
+def _linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Module]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: m for name, m in model.named_modules()
+            if (isinstance(m, nn.Linear) or is_conv1d(m)) and (include_lm_head or m is not head)}
+
+
+@contextmanager
+@torch.no_grad()
+def quantized(model: nn.Module, spec: QuantSpec) -> Iterator[int]:
+    """Replace every targeted linear weight by its round trip for the `with` block; restore the exact bits after.
+    Yields the number of quantized matrices."""
+    modules = _linear_modules(model, spec.include_lm_head)
+    saved = {name: m.weight.detach().clone() for name, m in modules.items()}
+    try:
+        for module in modules.values():
+            w = weight_out_in(module)
+            w.copy_(spec.quantize(w.detach())[0])
+        yield len(modules)
+    finally:
+        for name, module in modules.items():
+            module.weight.copy_(saved[name])
+
+
+def edit_survival(weight: torch.Tensor, delta: torch.Tensor, spec: QuantSpec) -> dict[str, float]:
+    """How much of an edit P survives the round trip of W [out, in] (any dtype): the fraction of codes it changes,
+    and ||deq(Q(W+P)) - deq(Q(W))|| / ||P|| (1: survives whole, 0: rounded away)."""
+    w = weight.double()
+    before, codes_before = spec.quantize(w.float())
+    after, codes_after = spec.quantize((w + delta.double()).float())
+    changed = float((codes_before != codes_after).float().mean())
+    norm = float(delta.double().norm())
+    kept = float((after.double() - before.double()).norm()) / norm if norm > 0 else 0.0
+    return {"codes_changed": changed, "norm_survival": kept}
