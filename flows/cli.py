@@ -238,6 +238,46 @@ def tofu_score(
     _emit(result, as_json, table)
 
 
+@app.command()
+def bench(
+    benchmark: Annotated[str, typer.Option(help="Shipped benchmark.")] = "minitofu",
+    split: Annotated[str | None, typer.Option(help="Forget split.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list.")] = ",".join(
+        ("grom", "ga:sum", "npo:sum", "npo:sago", "simnpo:sum", "simnpo:sago")),
+    quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, fp4_head_kept.")] = "fp4,nf4",
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the gradient methods (TOFU recipe: 10).")] = 10,
+    authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every method side by side on one target model: time, memory, quality, and quality after quantization."""
+    from flows.bench import run_bench
+    from grom_core.gradient.trainer import TrainerParams
+
+    _setup_logging(True)
+    result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
+                       tuple(q.strip() for q in quantizers.split(",") if q.strip()), TrainerParams(epochs=epochs),
+                       authors=authors)
+    table = Table(title=f"grom bench: {benchmark} {result['split']}")
+    quants = result["quantizers"]
+    for column in ("method", "cached", "seconds", "x closed form", "peak MB", "forget ROUGE-L", "FQ", "MU",
+                   *[f"{q} {k}" for q in quants for k in ("ROUGE-L", "FQ", "MU")]):
+        table.add_column(column)
+    for row in result["rows"]:
+        m = row["metrics"]
+        cells = [row["method"] + (f"+{row['compose']}" if row["compose"] else ""), str(row["cached_stats"]),
+                 f"{row['seconds']:.2f}", _fmt(row["time_ratio_to_closed_form"]), f"{row['peak_rss_mb']:.0f}",
+                 _fmt(m.get("forget_rougeL_recall")), _fmt(m.get("forget_quality")), _fmt(m.get("model_utility"))]
+        for q in quants:
+            qm = row["quantized"].get(q, {})
+            cells += [_fmt(qm.get(k)) for k in ("forget_rougeL_recall", "forget_quality", "model_utility")]
+        table.add_row(*cells)
+    t = result["throughput"]
+    table.caption = (f"key extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: "
+                     f"{result['plot']}")
+    _emit(result, as_json, table)
+
+
 def main() -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2, never a traceback."""
     try:

@@ -120,6 +120,22 @@ def evaluate_model(model_dir: str, benchmark: str, *, split: str | None = None, 
     return result
 
 
+def evaluate_spec(model, tokenizer, spec: dict, own_rows: tuple[list[dict], list[dict]] | None = None) -> dict:
+    """Metrics of a loaded model: a shipped benchmark's (spec = {"benchmark", "split", "splits", "reference"}) or,
+    with `own_rows` = (forget rows, retain rows), probability and ROUGE-L on the user's own data."""
+    if spec.get("benchmark"):
+        from grom_core.benchmarks.registry import read_split
+
+        bench = get_benchmark(spec["benchmark"])
+        splits = {name: read_split(Path(path)) for name, path in spec["splits"].items()}
+        reference = read_reference(spec["benchmark"], spec["reference"]) if spec.get("reference") else None
+        return bench.evaluate(model, tokenizer, splits, spec["split"], reference)["metrics"]
+    from grom_core.benchmarks.owndata import evaluate_own
+
+    forget, retain = own_rows
+    return evaluate_own(model, tokenizer, forget, retain, max_examples=spec.get("max_examples", 200))
+
+
 def save_reference_file(benchmark: str, split: str, result: dict, path: str | Path) -> Path:
     if benchmark in ("minitofu", "tofu"):
         return write_reference(path, result["metrics"], result["per_question"]["forget_truth_ratio"])

@@ -222,20 +222,11 @@ def influence_audit(solved: dict, stats: dict, base_fingerprint: str, data: dict
 
 
 def evaluate_loaded(model, tokenizer, spec: dict) -> dict:
-    """Metrics of a loaded model: a shipped benchmark's (spec["benchmark"]) or probability/ROUGE on the user's data."""
-    from flows.evaluation import read_reference
+    """Metrics of a loaded model for an evaluation spec (see flows.evaluation.evaluate_spec)."""
+    from flows.evaluation import evaluate_spec
 
-    if spec.get("benchmark"):
-        from grom_core.benchmarks.registry import get_benchmark, read_split
-
-        bench = get_benchmark(spec["benchmark"])
-        splits = {name: read_split(Path(path)) for name, path in spec["splits"].items()}
-        reference = read_reference(spec["benchmark"], spec["reference"]) if spec.get("reference") else None
-        return bench.evaluate(model, tokenizer, splits, spec["split"], reference)["metrics"]
-    from grom_core.benchmarks.owndata import evaluate_own
-
-    return evaluate_own(model, tokenizer, read_dataset(spec["forget"]), read_dataset(spec["retain"]),
-                        max_examples=spec.get("max_examples", 200))
+    rows = None if spec.get("benchmark") else (read_dataset(spec["forget"]), read_dataset(spec["retain"]))
+    return evaluate_spec(model, tokenizer, spec, rows)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)

@@ -70,3 +70,9 @@ def tiny_llama(tokenizer):
 @pytest.fixture()
 def tiny_gpt2(tokenizer):
     return random_gpt2(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_workspace(tmp_path_factory):
+    """One workspace for the tests that need a built (10-author) minitofu: its models are trained once."""
+    return tmp_path_factory.mktemp("small-ws")

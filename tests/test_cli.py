@@ -11,8 +11,9 @@ def grom(*args, env=None):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
 
 
-def test_demo_json(tmp_path):
+def test_demo_json(small_workspace):
     """The README's main command, on a smaller minitofu (10 authors) so that the suite stays quick."""
+    tmp_path = small_workspace
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # exactly one JSON object, nothing else on stdout
@@ -24,16 +25,18 @@ def test_demo_json(tmp_path):
             "forget_truth_ratio"} <= set(after)
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
     assert result["mlflow"]["version"] == "1" and result["timings_s"]["total"] > 0
-    assert "quantized" in result["metrics"]
+    quantized = result["metrics"]["quantized"]
+    assert {"fp4", "nf4", "int8", "rtn4", "fp4_head_kept"} == set(quantized)
+    assert "recovery_forget_rougeL_recall" in quantized["fp4"] and 0 <= quantized["fp4"]["codes_changed"] <= 1
     assert (tmp_path / "ws" / "catalog.duckdb").exists()
     # a gradient baseline through the same flow, reusing the trained models of the first run
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"), "--method", "npo",
-                "--compose", "sago")
+                "--compose", "sago", "--no-quantization")
     assert done.returncode == 0, done.stderr[-3000:]
     npo = json.loads(done.stdout)
     assert npo["method"] == "npo" and npo["compose"] == "sago" and npo["unlearning"]["steps"] > 0
     assert npo["mlflow"]["version"] == "2" and npo["unlearning"]["peak_rss_mb"] > 0
-    assert npo["metrics"]["before"] == result["metrics"]["before"]
+    assert npo["metrics"]["before"] == result["metrics"]["before"] and npo["metrics"]["quantized"] == {}
     done = grom("demo", "--home", str(tmp_path / "ws"), "--method", "grom", "--compose", "sago")
     assert done.returncode == 2 and "gradient methods only" in done.stderr
 
