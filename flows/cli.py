@@ -35,11 +35,13 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _emit(payload: dict, as_json: bool, table: Table | None) -> None:
+def _emit(payload: dict, as_json: bool, *tables: Table | None) -> None:
     if as_json:
         sys.stdout.write(json.dumps(payload, default=str) + "\n")
-    elif table is not None:
-        Console().print(table)
+        return
+    for table in tables:
+        if table is not None:
+            Console().print(table)
 
 
 def _before_after_table(result: dict) -> Table:
@@ -48,18 +50,33 @@ def _before_after_table(result: dict) -> Table:
     for column in ("metric", "before", "after"):
         table.add_column(column)
     before, after = result["metrics"]["before"], result["metrics"]["after"]
-    quantized = {q: m for q, m in result["metrics"].get("quantized", {}).items() if isinstance(m, dict)}
-    for name in quantized:
-        table.add_column(f"after {name}")
     for key, value in before.items():
         if isinstance(value, int | float) or isinstance(after.get(key), int | float):
-            table.add_row(key, _fmt(value), _fmt(after.get(key)), *[_fmt(m.get(key)) for m in quantized.values()])
+            table.add_row(key, _fmt(value), _fmt(after.get(key)))
     t, u = result["timings_s"], result["unlearning"]
     how = (f"retain statistics {'cached' if result.get('cached_stats') else 'computed'}" if result["method"] == "grom"
            else f"{u['steps']} optimizer steps, {result['compose']}")
     table.caption = (f"unlearning {t['unlearning']:.2f} s ({how}), total {t['total']:.1f} s, peak RSS "
                      f"{result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
                      f"v{result['mlflow']['version']}")
+    return table
+
+
+QUANT_COLUMNS = ("forget_rougeL_recall", "recovery_forget_rougeL_recall", "forget_quality", "model_utility",
+                 "codes_changed", "norm_survival")
+
+
+def _quantization_table(result: dict) -> Table | None:
+    """One row per quantization attack: the forget metric, its recovery, and how much of the edit survived."""
+    quantized = {q: m for q, m in result["metrics"].get("quantized", {}).items() if isinstance(m, dict)}
+    if not quantized:
+        return None
+    table = Table(title="after quantize-dequantize (recovery = quantized - unquantized)")
+    table.add_column("attack")
+    for column in QUANT_COLUMNS:
+        table.add_column(column.replace("_", " "))
+    for name, metrics in quantized.items():
+        table.add_row(name, *[_fmt(metrics.get(c)) for c in QUANT_COLUMNS])
     return table
 
 
@@ -91,7 +108,7 @@ def demo(
     _setup_logging(True)
     result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors,
                       method=method, compose=compose, quantization=quantization)
-    _emit(result, as_json, _before_after_table(result))
+    _emit(result, as_json, _before_after_table(result), _quantization_table(result))
 
 
 @app.command()
@@ -122,7 +139,7 @@ def unlearn(
     _setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=params, model_name=model_name, workers=workers,
                          dask_address=dask_address, method=method, compose=compose, quantization=quantization)
-    _emit(result, as_json, _before_after_table(result))
+    _emit(result, as_json, _before_after_table(result), _quantization_table(result))
 
 
 benchmark_app = typer.Typer(no_args_is_help=True, help="Shipped benchmarks: build splits and models.")
