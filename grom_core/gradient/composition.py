@@ -27,32 +27,30 @@ def _pairs(g_f: Grads, g_r: Grads):
             yield (f if f is not None else torch.zeros_like(ref)), (r if r is not None else torch.zeros_like(ref))
 
 
+def _per_tensor(g_f: Grads, g_r: Grads, combine) -> list[torch.Tensor | None]:
+    """Apply `combine(f, r)` tensor by tensor; a parameter without any gradient stays None."""
+    return [None if f is None else combine(f, r) for f, r in _pairs(g_f, g_r)]
+
+
 def compose_sum(g_f: Grads, g_r: Grads, gamma: float = 1.0, alpha: float = 1.0) -> list[torch.Tensor | None]:
-    return [None if f is None else gamma * f + alpha * r for f, r in _pairs(g_f, g_r)]
+    return _per_tensor(g_f, g_r, lambda f, r: gamma * f + alpha * r)
 
 
 def compose_pcgrad(g_f: Grads, g_r: Grads, gamma: float = 1.0, alpha: float = 1.0) -> list[torch.Tensor | None]:
-    out = []
-    for f, r in _pairs(g_f, g_r):
-        if f is None:
-            out.append(None)
-            continue
+    def combine(f: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         dot = (f * r).sum()
         if dot < 0:
             f = f - dot / r.pow(2).sum().clamp_min(1e-30) * r
-        out.append(gamma * f + alpha * r)
-    return out
+        return gamma * f + alpha * r
+
+    return _per_tensor(g_f, g_r, combine)
 
 
 def compose_sago(g_f: Grads, g_r: Grads, gamma: float = 1.0, alpha: float = 1.0) -> list[torch.Tensor | None]:
-    out = []
-    for f, r in _pairs(g_f, g_r):
-        if f is None:
-            out.append(None)
-            continue
-        conflict = torch.sign(f) * torch.sign(r) < 0
-        out.append(torch.where(conflict, alpha * r, gamma * f))
-    return out
+    def combine(f: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.sign(f) * torch.sign(r) < 0, alpha * r, gamma * f)
+
+    return _per_tensor(g_f, g_r, combine)
 
 
 COMPOSERS: dict[str, Callable[..., list[torch.Tensor | None]]] = {
