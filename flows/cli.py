@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -44,15 +45,20 @@ def _emit(payload: dict, as_json: bool, *tables: Table | None) -> None:
             Console().print(table)
 
 
-def _before_after_table(result: dict) -> Table:
-    where = f" on layers {result['layers']}" if result.get("layers") else ""
-    table = Table(title=f"{result['method']} edit {result['edit_id']}{where}")
+def _metrics_table(title: str, before: dict, after: dict) -> Table:
+    table = Table(title=title)
     for column in ("metric", "before", "after"):
         table.add_column(column)
-    before, after = result["metrics"]["before"], result["metrics"]["after"]
     for key, value in before.items():
         if isinstance(value, int | float) or isinstance(after.get(key), int | float):
             table.add_row(key, _fmt(value), _fmt(after.get(key)))
+    return table
+
+
+def _before_after_table(result: dict) -> Table:
+    where = f" on layers {result['layers']}" if result.get("layers") else ""
+    table = _metrics_table(f"{result['method']} edit {result['edit_id']}{where}", result["metrics"]["before"],
+                           result["metrics"]["after"])
     t, u = result["timings_s"], result["unlearning"]
     how = (f"retain statistics {'cached' if result.get('cached_stats') else 'computed'}" if result["method"] == "grom"
            else f"{u['steps']} optimizer steps, {result['compose']}")
@@ -293,6 +299,217 @@ def bench(
     table.caption = (f"key extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: "
                      f"{result['plot']}")
     _emit(result, as_json, table)
+
+
+model_app = typer.Typer(no_args_is_help=True, help="Models that answer deletion requests.")
+app.add_typer(model_app, name="model")
+request_app = typer.Typer(no_args_is_help=True, help="Deletion requests: queue, inspect, process.")
+app.add_typer(request_app, name="request")
+ModelNameOpt = Annotated[str | None, typer.Option(help="Registered model (default: the workspace's only one).")]
+
+
+def _key_values(table: Table, payload: dict) -> Table:
+    table.add_column("item")
+    table.add_column("value")
+    for key, value in payload.items():
+        table.add_row(key, _fmt(value) if not isinstance(value, dict | list) else json.dumps(value, default=str))
+    return table
+
+
+@model_app.command("register")
+def model_register(
+    model: Annotated[str | None, typer.Option(help="Base model directory (save_pretrained, safetensors).")] = None,
+    retain: Annotated[str | None, typer.Option(help="Retain data the edits must keep: JSON, JSONL, Parquet, CSV.")]
+    = None,
+    name: Annotated[str | None, typer.Option(help="Registered model name (default grom-<folder>).")] = None,
+    benchmark: Annotated[str | None, typer.Option(help="Use minitofu's target model, retain split and GROM preset "
+                                                       "instead of --model/--retain.")] = None,
+    gates: Annotated[str | None, typer.Option(help='Gate thresholds as JSON, e.g. {"max_forget_rougeL_recall": '
+                                                   '0.4}.')] = None,
+    params: Annotated[str | None, typer.Option(help='GROM parameters as JSON, e.g. {"beta": 80}.')] = None,
+    evaluation: Annotated[str | None, typer.Option(help='Evaluation settings as JSON: {"max_examples": 200, '
+                                                        '"quantizers": ["fp4", "nf4"]}.')] = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Register a base model; it answers deletion requests, and is put in service if none is yet."""
+    from flows.service import register_benchmark_model, register_model
+
+    _setup_logging(True)
+    options = {"gates": _json_option(gates, "--gates"), "params": _json_option(params, "--params"),
+               "evaluation": _json_option(evaluation, "--evaluation")}
+    if benchmark:
+        result = register_benchmark_model(benchmark, name=name, home=home, **options)
+    elif model and retain:
+        result = register_model(model, retain, name=name, home=home, **options)
+    else:
+        raise GromError("give --model DIR and --retain FILE, or --benchmark minitofu")
+    _emit(result, as_json, _key_values(Table(title=f"registered {result['model_name']} v{result['version']}"),
+                                       result))
+
+
+def _json_option(text: str | None, option: str) -> dict:
+    from grom_core.errors import DataError
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{option} is not valid JSON ({exc.msg} at character {exc.pos}): {text}") from exc
+    if not isinstance(value, dict):
+        raise DataError(f"{option} must be a JSON object, got {text}")
+    return value
+
+
+@request_app.command("add")
+def request_add(
+    forget: Annotated[str, typer.Option(help="What to forget: JSON, JSONL, Parquet or CSV (question/answer or text).")],
+    reason: Annotated[str | None, typer.Option(help="Why (kept with the request).")] = None,
+    requester: Annotated[str | None, typer.Option(help="Who asked.")] = None,
+    model_name: ModelNameOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a deletion request (status pending)."""
+    from flows.service import add_request
+
+    _setup_logging(True)
+    result = add_request(forget, reason=reason, requester=requester, model_name=model_name, home=home)
+    _emit({"request_id": result["request_id"], **result}, as_json,
+          _key_values(Table(title=f"request {result['request_id']}"), result))
+
+
+REQUEST_COLUMNS = ("id", "status", "model_version", "n_examples", "requester", "reason", "created_at", "purged")
+
+
+@request_app.command("list")
+def request_list(
+    status: Annotated[str | None, typer.Option(help="Only this status.")] = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every deletion request with its status and the model version that answered it."""
+    from flows.service import list_requests
+
+    _setup_logging(False)
+    result = list_requests(home, status)
+    for request in result["requests"]:
+        request["id"] = request["request_id"]
+    table = Table(title="deletion requests")
+    for column in REQUEST_COLUMNS:
+        table.add_column(column.replace("_", " "))
+    for r in result["requests"]:
+        table.add_row(*[_fmt(r.get(c)) for c in REQUEST_COLUMNS])
+    _emit(result, as_json, table)
+
+
+@request_app.command("show")
+def request_show(
+    request_id: Annotated[int, typer.Argument(help="Request id.")],
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One request: status, history, and its examples (sha256 only once purged)."""
+    from flows.service import show_request
+
+    _setup_logging(False)
+    result = show_request(request_id, home)
+    summary = Table(title=f"request {request_id}")
+    _key_values(summary, {k: v for k, v in result.items() if k not in ("events", "examples")})
+    events = Table(title="history")
+    for column in ("at", "status", "detail"):
+        events.add_column(column)
+    for e in result["events"]:
+        events.add_row(str(e["at"]), e["status"], e["detail"])
+    examples = Table(title="examples")
+    for column in ("index", "sha256", "question or text"):
+        examples.add_column(column)
+    for e in result["examples"]:
+        examples.add_row(str(e["index"]), e["sha256"][:16],
+                         "[purged]" if e["purged"] else _fmt(e["question"] or e["text"]))
+    _emit(result, as_json, summary, events, examples)
+
+
+@request_app.command("process")
+def request_process(
+    model_name: ModelNameOpt = None,
+    purge: Annotated[bool, typer.Option(help="Purge the raw forget text once requests are done (sha256 kept).")]
+    = True,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Claim the pending requests, unlearn them in one edit of the version in service, gate, register, promote."""
+    from flows.runtime import configure_prefect, quiet_prefect_tracebacks
+    from flows.workspace import Workspace
+
+    _setup_logging(True)
+    ws = Workspace.resolve(home)
+    configure_prefect(ws)
+    from flows.requests import process_deletion_requests
+
+    quiet_prefect_tracebacks()
+    result = process_deletion_requests(home=str(ws.root), model_name=model_name, purge=purge)
+    table = Table(title=f"processed requests {result['processed']}")
+    _key_values(table, {k: v for k, v in result.items() if k != "metrics"})
+    tables = [table]
+    if result.get("metrics"):
+        tables += [_metrics_table(f"edit {result['edit_id']}: version {result['parent_version']} -> "
+                                  f"{result['version']}", result["metrics"]["before"], result["metrics"]["after"]),
+                   _quantization_table(result)]
+    _emit(result, as_json, *tables)
+
+
+@app.command()
+def audit(
+    identifier: Annotated[str, typer.Argument(metavar="REQUEST_OR_EDIT_ID", help="A request id or an edit id.")],
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What an edit changed: modules, per-example influence, metrics, quantization check, versions (Markdown+JSON)."""
+    from flows.audit import audit as run_audit
+
+    _setup_logging(False)
+    result = run_audit(identifier, home)
+    if as_json:
+        _emit(result, True)
+    else:
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(Path(result["report"]["markdown"]).read_text()))
+        err.print(f"report: {result['report']['markdown']} and {result['report']['json']}")
+
+
+@app.command()
+def revert(
+    version: Annotated[str, typer.Option(help="The version in service whose edit to revert.")],
+    model_name: ModelNameOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Restore the weights before an edit bit for bit, register them as a new version in service, reopen requests."""
+    from flows.service import revert_version
+
+    _setup_logging(True)
+    result = revert_version(version, model_name=model_name, home=home)
+    _emit(result, as_json, _key_values(Table(title=f"reverted version {version}"), result))
+
+
+@app.command()
+def serve(
+    cron: Annotated[str, typer.Option(help="When to process requests (cron, UTC).")] = "*/30 * * * *",
+    interval: Annotated[float | None, typer.Option(min=1, help="Every this many seconds instead of --cron.")] = None,
+    port: Annotated[int, typer.Option(help="Port of the local Prefect server (when PREFECT_API_URL is unset).")]
+    = 4200,
+    model_name: ModelNameOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Serve the scheduled deletion-request run (starts a local Prefect server if none is configured).
+    Stop with Ctrl-C or SIGTERM: the runner stops, then the server it started."""
+    from flows.serve import serve as run_serve
+
+    _setup_logging(True)
+    run_serve(home, cron=cron, interval_s=interval, model_name=model_name, port=port)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from flows.evaluation import build_benchmark, reference_path
 from flows.runtime import configure_prefect, quiet_prefect_tracebacks
 from flows.workspace import Workspace
 from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
+from grom_core.benchmarks.minitofu import RETAIN_OF
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.loading import check_model_dir
 from tasks.datafiles import read_examples
@@ -35,7 +36,7 @@ def run_demo(home: str | None = None, split: str = "forget10", params: dict | No
     check_method(method, compose)
     if method == "grom":
         params = {**get_benchmark("minitofu").grom_params, **(params or {})}
-    retain_split = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain90"}[built.split]
+    retain_split = RETAIN_OF[built.split]
     spec = {"benchmark": "minitofu", "split": built.split, "reference": str(reference_path(built)),
             "splits": {k: str(built.splits[k]) for k in (built.split, "retain_eval", "real_authors", "world_facts")}}
     return unlearn(model=str(built.models["target"]), forget=str(built.splits[built.split]),

@@ -20,7 +20,7 @@ from tasks import steps
 from tasks.catalog import Catalog, now, record_run
 from tasks.lake import safe_name
 from tasks.plots import influence_plot, layer_scores_plot
-from tasks.tracking import delete_registration, register
+from tasks.tracking import Registration, delete_registration, register
 
 log = logging.getLogger("grom.flow")
 
@@ -28,7 +28,7 @@ HEADLINE = ("forget_rougeL_recall", "forget_probability", "forget_truth_ratio", 
             "retain_rougeL_recall", "retain_probability")
 
 
-class _Stages:
+class Stages:
     """Per-stage wall times, logged as each stage ends (the progress a user watches)."""
 
     def __init__(self) -> None:
@@ -68,27 +68,55 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
             with the LM head kept) and report it under metrics.quantized.
     """
     ws = Workspace.resolve(home)
-    lake_root, started = str(ws.root / "lake"), now()
-    stages = _Stages()
+    started, stages = now(), Stages()
+    out = compute(stages, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
+                  compose=compose, trainer=trainer or {}, workers=workers, dask_address=dask_address,
+                  benchmark=benchmark, quantization=quantization)
+    name = model_name or (f"grom-{benchmark['benchmark']}-{benchmark['split']}" if benchmark
+                          else f"grom-{safe_name(Path(model).name)}")
+    registration = register_outcome(stages, ws, out, name=name, tags={"grom.kind": "unlearn", **(tags or {})})
+    timings = {**stages.timings, "unlearning": out["solved"]["unlearning"]["seconds"],
+               "total": time.perf_counter() - stages.start}
+    try:
+        record_run(Catalog(ws.root / "catalog.duckdb"),
+                   catalog_rows(out, registration, flow="unlearn", started=started, timings=timings))
+    except BaseException:
+        delete_registration(ws.root, registration)  # no half-registered version without its catalog rows
+        raise
+    result = summary(out, registration, timings, ws)
+    _publish(result)
+    return result
+
+
+def compute(stages: Stages, ws: Workspace, *, model: str, forget: str, retain: str, method: str, params: dict,
+            compose: str | None, trainer: dict, workers: int, dask_address: str | None, benchmark: dict | None,
+            quantization: bool, quantizers: list[str] | None = None, evaluation: dict | None = None) -> dict:
+    """Everything before registration: ingest -> edit (closed form or gradient) -> apply and save -> evaluate
+    before and after -> quantization attack -> plots and report. Changes nothing outside the workspace's lake,
+    edits and models folders (content-addressed), so a failure here leaves catalog and registry untouched.
+
+    `evaluation` adds settings to the own-data evaluation spec (e.g. {"max_examples": 200})."""
+    lake_root = str(ws.root / "lake")
     data = stages.run("ingest", steps.ingest, forget, retain, lake_root)
     if method == "grom":
-        solved = _closed_form(stages, model, data, params or {}, lake_root, ws, workers, dask_address)
+        solved = _closed_form(stages, model, data, params, lake_root, ws, workers, dask_address)
     else:
         compose = compose or "sum"
-        solved = stages.run("train", steps.train_gradient, model, data, method, compose, params or {},
-                            trainer or {}, str(ws.edits))
+        solved = stages.run("train", steps.train_gradient, model, data, method, compose, params, trainer,
+                            str(ws.edits))
         solved.update({"layers": [], "scores": [], "stats": None, "audit": None, "key_shards": [],
-                       "manifest": {**(params or {}), **(trainer or {}), "compose": compose},
+                       "manifest": {**params, **trainer, "compose": compose},
                        "unlearning": {k: solved[k] for k in ("seconds", "peak_rss_mb", "steps", "forward_passes")}})
     edited = stages.run("apply_and_save", steps.apply_and_save, model, solved, str(ws.models))
-    spec = dict(benchmark) if benchmark else {"forget": data["forget"], "retain": data["retain"]}
+    spec = dict(benchmark) if benchmark else {"forget": data["forget"], "retain": data["retain"],
+                                              **(evaluation or {})}
     cache_root = str(ws.root / "cache" / "evaluations")
     before = stages.run("evaluate_before", steps.evaluate, model, spec, cache_root)
     after = stages.run("evaluate_after", steps.evaluate, edited["model_dir"], spec, cache_root)
     quantized = {}
     if quantization:
         quantized = stages.run("quantization", steps.quantization_check, edited["model_dir"], model,
-                               solved["edit_dir"], spec, after["metrics"])
+                               solved["edit_dir"], spec, after["metrics"], quantizers)
 
     plots = ws.root / "lake" / "plots" / solved["edit_id"]
     plots.mkdir(parents=True, exist_ok=True)
@@ -100,64 +128,78 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, param
 
         influence_rows = pq.read_table(solved["audit"]["path"]).to_pylist()
         influence_plot(influence_rows, plots / "influence.png")
-    name = model_name or (f"grom-{benchmark['benchmark']}-{benchmark['split']}" if benchmark
-                          else f"grom-{safe_name(Path(model).name)}")
     (plots / "report.md").write_text(_report(method, solved, before["metrics"], after["metrics"], stages.timings))
+    return {"model": model, "method": method, "compose": compose, "data": data, "solved": solved, "edited": edited,
+            "before": before["metrics"], "after": after["metrics"], "quantized": quantized,
+            "influence_rows": influence_rows, "plots": plots}
+
+
+def register_outcome(stages: Stages, ws: Workspace, out: dict, *, name: str, tags: dict) -> Registration:
+    """Log the run to MLflow and register the edited model as a new version of `name`, with lineage tags."""
+    solved, data, method = out["solved"], out["data"], out["method"]
     version_tags = {"base_fingerprint": solved["fingerprint"], "edit_id": solved["edit_id"], "method": method,
-                    "compose": compose or "", "forget_digest": data["forget"]["digest"],
-                    "retain_digest": data["retain"]["digest"], **{k: str(v) for k, v in (tags or {}).items()}}
-    artifacts = {"edit": Path(solved["edit_dir"]), "plots": plots}
+                    "compose": out["compose"] or "", "forget_digest": data["forget"]["digest"],
+                    "retain_digest": data["retain"]["digest"], "model_dir": out["edited"]["model_dir"],
+                    "fingerprint": out["edited"]["edited_fingerprint"], **{k: str(v) for k, v in tags.items()}}
+    artifacts = {"edit": Path(solved["edit_dir"]), "plots": out["plots"]}
     if solved["audit"]:
         artifacts["influence"] = Path(solved["audit"]["path"])
     unlearning = solved["unlearning"]
-    registration = stages.run(
+    return stages.run(
         "register", register, ws.root, run_name=f"unlearn-{method}-{solved['edit_id']}", model_name=name,
         params={**solved["manifest"], "method": method, "layers_chosen": solved["layers"],
-                "modules": solved["modules"], "model_dir": model},
-        metrics={"before": before["metrics"], "after": after["metrics"],
-                 **{f"quantized.{q}": m for q, m in quantized.items() if isinstance(m, dict)},
+                "modules": solved["modules"], "model_dir": out["model"]},
+        metrics={"before": out["before"], "after": out["after"],
+                 **{f"quantized.{q}": m for q, m in out["quantized"].items() if isinstance(m, dict)},
                  "timing": {**stages.timings, "unlearning": unlearning["seconds"]},
                  "unlearning": {k: v for k, v in unlearning.items() if isinstance(v, int | float)}},
         datasets=[data["forget"], data["retain"]], artifacts=artifacts,
-        edited_model_dir=Path(edited["model_dir"]), tags=version_tags)
-    timings = {**stages.timings, "unlearning": unlearning["seconds"], "total": time.perf_counter() - stages.start}
-    try:
-        record_run(Catalog(ws.root / "catalog.duckdb"), {
-            "datasets": [_dataset_row(d) for d in (data["forget"], data["retain"])],
-            "edit": {"edit_id": solved["edit_id"], "method": method, "base_fingerprint": solved["fingerprint"],
-                     "edited_fingerprint": edited["edited_fingerprint"], "modules": solved["modules"],
-                     "layers": solved["layers"], "params": solved["manifest"], "edit_dir": solved["edit_dir"]},
-            "influence": influence_rows, "layer_scores": solved["scores"], "key_shards": solved["key_shards"],
-            "stats_cache": [{"fingerprint": solved["fingerprint"], "retain_digest": data["retain"]["digest"],
-                             "module": m, "path": p, "n_positions": solved["stats"]["counts"][m]}
-                            for m, p in (solved["stats"] or {"paths": {}})["paths"].items()],
-            "run": {"run_id": registration.run_id, "flow": "unlearn", "method": method, "compose": compose,
-                    "base_fingerprint": solved["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
-                    "edit_id": solved["edit_id"], "forget_digest": data["forget"]["digest"],
-                    "retain_digest": data["retain"]["digest"], "mlflow_run_id": registration.run_id,
-                    "model_name": name, "model_version": registration.version, "model_dir": edited["model_dir"],
-                    "metrics": {"before": before["metrics"], "after": after["metrics"]}, "timings": timings,
-                    "started_at": started},
-        })
-    except BaseException:
-        delete_registration(ws.root, registration)  # no half-registered version without its catalog rows
-        raise
+        model_dir=Path(out["edited"]["model_dir"]), tags=version_tags)
 
-    result = {
-        "method": method, "compose": compose if method != "grom" else None, "edit_id": solved["edit_id"],
+
+def catalog_rows(out: dict, registration: Registration, *, flow: str, started, timings: dict,
+                 extra_metrics: dict | None = None) -> dict:
+    """What `record_run` writes for one registered outcome: datasets, edit, influence, layer scores, key shards,
+    the statistics cache entries and the runs row."""
+    solved, data, edited = out["solved"], out["data"], out["edited"]
+    return {
+        "datasets": [_dataset_row(d) for d in (data["forget"], data["retain"])],
+        "edit": {"edit_id": solved["edit_id"], "method": out["method"], "base_fingerprint": solved["fingerprint"],
+                 "edited_fingerprint": edited["edited_fingerprint"], "modules": solved["modules"],
+                 "layers": solved["layers"], "params": solved["manifest"], "edit_dir": solved["edit_dir"]},
+        "influence": out["influence_rows"], "layer_scores": solved["scores"], "key_shards": solved["key_shards"],
+        "stats_cache": [{"fingerprint": solved["fingerprint"], "retain_digest": data["retain"]["digest"],
+                         "module": m, "path": p, "n_positions": solved["stats"]["counts"][m]}
+                        for m, p in (solved["stats"] or {"paths": {}})["paths"].items()],
+        "run": {"run_id": registration.run_id, "flow": flow, "method": out["method"], "compose": out["compose"],
+                "base_fingerprint": solved["fingerprint"], "edited_fingerprint": edited["edited_fingerprint"],
+                "edit_id": solved["edit_id"], "forget_digest": data["forget"]["digest"],
+                "retain_digest": data["retain"]["digest"], "mlflow_run_id": registration.run_id,
+                "model_name": registration.model_name, "model_version": registration.version,
+                "model_dir": edited["model_dir"],
+                "metrics": {"before": out["before"], "after": out["after"], "quantized": out["quantized"],
+                            **(extra_metrics or {})},
+                "timings": timings, "started_at": started},
+    }
+
+
+def summary(out: dict, registration: Registration, timings: dict, ws: Workspace) -> dict:
+    """The flow's result (what `--json` prints)."""
+    solved, method = out["solved"], out["method"]
+    return {
+        "method": method, "compose": out["compose"] if method != "grom" else None, "edit_id": solved["edit_id"],
         "layers": solved["layers"], "modules": solved["modules"],
         "cached_stats": solved["stats"]["cache_hit"] if solved["stats"] else None,
-        "metrics": {"before": before["metrics"], "after": after["metrics"], "quantized": quantized},
-        "unlearning": unlearning, "timings_s": timings, "peak_rss_mb": unlearning["peak_rss_mb"],
-        "mlflow": {"run_id": registration.run_id, "model_name": name, "version": registration.version},
-        "model_dir": edited["model_dir"], "edit_dir": solved["edit_dir"], "influence": solved["audit"],
+        "metrics": {"before": out["before"], "after": out["after"], "quantized": out["quantized"]},
+        "unlearning": solved["unlearning"], "timings_s": timings, "peak_rss_mb": solved["unlearning"]["peak_rss_mb"],
+        "mlflow": {"run_id": registration.run_id, "model_name": registration.model_name,
+                   "version": registration.version},
+        "model_dir": out["edited"]["model_dir"], "edit_dir": solved["edit_dir"], "influence": solved["audit"],
         "workspace": str(ws.root),
     }
-    _publish(result)
-    return result
 
 
-def _closed_form(stages: _Stages, model: str, data: dict, params: dict, lake_root: str, ws: Workspace,
+def _closed_form(stages: Stages, model: str, data: dict, params: dict, lake_root: str, ws: Workspace,
                  workers: int, dask_address: str | None) -> dict:
     """The GROM stages: layer scores, retain statistics, solve, influence audit."""
     grom = GromParams(**{k: tuple(v) if k == "layers" and v is not None else v for k, v in params.items()})

@@ -1,12 +1,17 @@
-"""The DuckDB catalog: datasets, examples, edits, influence, layer scores, key shards, statistics cache, runs.
+"""The DuckDB catalog: datasets, examples, edits, influence, layer scores, key shards, statistics cache, runs,
+deletion requests and the services that answer them.
 
-Only the driver process opens the file (DuckDB allows one process per file). A flow run writes all its rows in one
-transaction at the end (`record_run`), so a failed run leaves no orphan rows. SQL is always parameterised.
+DuckDB lets one process at a time open the file; grom opens it for short transactions only, and a process that
+finds it locked waits up to GROM_CATALOG_LOCK_TIMEOUT_S seconds (default 30) before giving up with a clear error.
+A flow run writes all its rows in one transaction at the end (`record_run`), so a failed run leaves no orphan rows.
+SQL is always parameterised.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -41,7 +46,20 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS stats_cache (
         fingerprint VARCHAR, retain_digest VARCHAR, module VARCHAR, path VARCHAR, n_positions BIGINT,
         created_at TIMESTAMP, PRIMARY KEY (fingerprint, retain_digest, module))""",
+    "CREATE SEQUENCE IF NOT EXISTS request_ids START 1",
+    """CREATE TABLE IF NOT EXISTS requests (
+        request_id INTEGER PRIMARY KEY, status VARCHAR, model_name VARCHAR, dataset_digest VARCHAR,
+        n_examples INTEGER, reason VARCHAR, requester VARCHAR, source VARCHAR, created_at TIMESTAMP,
+        updated_at TIMESTAMP, claim_owner VARCHAR, claimed_at TIMESTAMP, model_version VARCHAR, edit_id VARCHAR,
+        run_id VARCHAR, review_reasons JSON, purged BOOLEAN DEFAULT FALSE)""",
+    """CREATE TABLE IF NOT EXISTS request_events (
+        request_id INTEGER, event_at TIMESTAMP, status VARCHAR, detail VARCHAR)""",
+    """CREATE TABLE IF NOT EXISTS services (
+        model_name VARCHAR PRIMARY KEY, retain_path VARCHAR, retain_digest VARCHAR, params JSON, gates JSON,
+        evaluation JSON, created_at TIMESTAMP)""",
 ]
+
+LOCK_TIMEOUT_ENV = "GROM_CATALOG_LOCK_TIMEOUT_S"
 
 
 def now() -> datetime:
@@ -54,13 +72,24 @@ class Catalog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
+    def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        """Open the file, waiting while another process holds its lock (grom's own holds last milliseconds)."""
+        timeout = float(os.environ.get(LOCK_TIMEOUT_ENV, "30"))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only and self.path.exists())
+            except duckdb.IOException as exc:
+                first = str(exc).splitlines()[0]
+                if "lock" not in first.lower() or time.monotonic() >= deadline:
+                    raise GromError(
+                        f"the catalog {self.path} is locked or unreadable ({first}); waited {timeout:g} s: stop "
+                        f"the other process holding it, raise {LOCK_TIMEOUT_ENV}, or use another --home") from exc
+                time.sleep(0.2)
+
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-        try:
-            con = duckdb.connect(str(self.path), read_only=read_only and self.path.exists())
-        except duckdb.IOException as exc:
-            raise GromError(f"the catalog {self.path} is locked or unreadable ({str(exc).splitlines()[0]}); "
-                            f"wait for the other grom process to finish, or use another --home") from exc
+        con = self._open(read_only)
         try:
             if not read_only:
                 for statement in SCHEMA:
@@ -106,11 +135,12 @@ def insert_dataset(con, dataset: dict) -> None:
                      for i, ex in enumerate(dataset["examples"])])
 
 
-def record_run(catalog: Catalog, run: dict) -> None:
+def record_run(catalog: Catalog, run: dict, also=None) -> None:
     """Everything one flow run produced, in one transaction.
 
     `run` holds: run (the runs row), datasets (list), edit (the edits row), influence, layer_scores, key_shards
-    and stats_cache rows (lists of dicts, column names as in SCHEMA).
+    and stats_cache rows (lists of dicts, column names as in SCHEMA). `also(con)`, when given, writes more rows
+    (request statuses) inside the same transaction.
     """
     with catalog.transaction() as con:
         for dataset in run.get("datasets", []):
@@ -140,3 +170,5 @@ def record_run(catalog: Catalog, run: dict) -> None:
                      row.get("mlflow_run_id"), row.get("model_name"), row.get("model_version"), row.get("model_dir"),
                      json.dumps(row.get("metrics", {})), json.dumps(row.get("timings", {})), row["started_at"],
                      now()])
+        if also is not None:
+            also(con)

@@ -95,3 +95,15 @@ def load_records(path: Path) -> dict[str, SolveRecord]:
                                   example_ids=handle.get_tensor(f"{name}::example_ids"),
                                   ridge=info["ridge"], retain_count=info["retain_count"])
                 for name, info in meta.items()}
+
+
+def purge_forget_text(dataset_path: Path, edit_id: str, root: Path) -> None:
+    """Drop the raw forget text from the lake once its request is answered: the ingested dataset keeps only its
+    sha256 column, and the key shards lose their gold token ids (which spell the answers); keys stay."""
+    table = pq.read_table(dataset_path)
+    kept = [c for c in table.column_names if c not in ("question", "answer", "text")]
+    _atomic_parquet(table.select(kept), dataset_path)
+    for shard in (root / "keys" / edit_id).glob("*.parquet"):
+        keys = pq.read_table(shard)
+        if "token_id" in keys.column_names:
+            _atomic_parquet(keys.drop_columns(["token_id"]), shard)

@@ -1,8 +1,12 @@
-"""MLflow on SQLite under the workspace: one run per flow run, its inputs, metrics and artifacts, and the edited
-model registered as a new version with lineage tags.
+"""MLflow on SQLite under the workspace: one run per flow run, its inputs, metrics and artifacts, the edited
+model registered as a new version with lineage tags, and the `serving` alias that marks the version in service.
 
 If anything fails after the run started, the run is marked FAILED and any model version it created is deleted,
 so the registry never holds a half-registered version.
+
+Tags grom puts on the versions it registers: `grom.kind` (base, unlearn, request, revert), `fingerprint` (of the
+version's weights), `model_dir` (its local folder), `parent_version` (the version it was computed from),
+`edit_id`, `base_fingerprint`, `request_ids`, `promoted`.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from grom_core.errors import DataError
+from tasks.lake import safe_name
+
 log = logging.getLogger(__name__)
 
 EXPERIMENT = "grom-unlearning"
+SERVING_ALIAS = "serving"
 
 
 def configure(root: Path) -> str:
@@ -50,14 +58,14 @@ def _pip_requirements() -> list[str]:
 
 
 def register(root: Path, *, run_name: str, model_name: str, params: dict, metrics: dict, datasets: list[dict],
-             artifacts: dict[str, Path], edited_model_dir: Path | None, tags: dict[str, str]) -> Registration:
+             artifacts: dict[str, Path], model_dir: Path | None, tags: dict[str, str]) -> Registration:
     """Log one run and register the edited model; on failure, undo what was created and re-raise.
 
     Args:
         metrics: {"before": {...}, "after": {...}, ...} flat dicts, logged as "<group>.<name>".
         datasets: [{"name", "role", "digest", "path"}] logged as run inputs (Parquet paths).
         artifacts: artifact sub-folder -> file or folder to log.
-        edited_model_dir: a save_pretrained folder; logged with mlflow.transformers and registered.
+        model_dir: a save_pretrained folder; logged with mlflow.transformers and registered.
         tags: set on the run and on the model version (base fingerprint, edit id, request ids...).
     """
     configure(root)
@@ -85,12 +93,11 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
                     mlflow.log_artifacts(str(path), artifact_path=sub)
                 elif path.is_file():
                     mlflow.log_artifact(str(path), artifact_path=sub)
-            if edited_model_dir is not None:
+            if model_dir is not None:
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                model = AutoModelForCausalLM.from_pretrained(edited_model_dir, local_files_only=True,
-                                                             use_safetensors=True)
-                tokenizer = AutoTokenizer.from_pretrained(edited_model_dir, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
+                tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
                 info = mlflow.transformers.log_model(
                     transformers_model={"model": model, "tokenizer": tokenizer}, name="model",
                     task="text-generation", pip_requirements=_pip_requirements(),
@@ -116,3 +123,75 @@ def delete_registration(root: Path, registration: Registration) -> None:
     if registration.version is not None:
         client.delete_model_version(registration.model_name, registration.version)
     client.set_terminated(registration.run_id, status="FAILED")
+
+
+def client(root: Path):
+    configure(root)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient()
+
+
+def serving_version(root: Path, name: str) -> str | None:
+    """The version the `serving` alias points at, or None (no alias, or no such registered model)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client(root).get_model_version_by_alias(name, SERVING_ALIAS).version)
+    except MlflowException:
+        return None
+
+
+def set_serving(root: Path, name: str, version: str | None) -> None:
+    """Point the `serving` alias at `version` (None removes it)."""
+    mlflow_client = client(root)
+    if version is None:
+        mlflow_client.delete_registered_model_alias(name, SERVING_ALIAS)
+    else:
+        mlflow_client.set_registered_model_alias(name, SERVING_ALIAS, str(version))
+    log.info("alias %s of %s -> %s", SERVING_ALIAS, name, version)
+
+
+def get_version(root: Path, name: str, version: str):
+    """The ModelVersion, or a clear error naming the versions that do exist."""
+    from mlflow.exceptions import MlflowException
+
+    mlflow_client = client(root)
+    try:
+        return mlflow_client.get_model_version(name, str(version))
+    except MlflowException as exc:
+        existing = sorted(int(v.version) for v in versions(root, name))
+        raise DataError(f"registered model '{name}' has no version {version} (it has {existing or 'none'}); "
+                        f"list them with `grom request list` or in the MLflow UI") from exc
+
+
+def versions(root: Path, name: str) -> list:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return list(client(root).search_model_versions(f"name='{name}'"))
+    except MlflowException:
+        return []
+
+
+def version_model_dir(root: Path, name: str, version: str) -> Path:
+    """A local folder holding the weights of a version: its `model_dir` tag when the folder is still there with
+    the same weights, else the registered artifacts downloaded under <root>/cache/registry (safetensors only)."""
+    from grom_core.loading import check_model_dir
+
+    tags = get_version(root, name, version).tags
+    local = Path(tags.get("model_dir", ""))
+    if tags.get("model_dir") and (local / "config.json").is_file():
+        return local
+    import mlflow
+
+    out = root / "cache" / "registry" / safe_name(name) / str(version)
+    if not out.exists():
+        log.warning("%s: the folder of %s version %s is gone; downloading its registered artifacts", local, name,
+                    version)
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(out))
+    found = sorted(p.parent for p in out.rglob("config.json") if any(p.parent.glob("*.safetensors")))
+    if not found:
+        raise DataError(f"version {version} of '{name}' has neither its local folder ({local}) nor safetensors "
+                        f"weights among its artifacts; register the model again")
+    return check_model_dir(str(found[0]))

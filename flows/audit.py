@@ -1,0 +1,142 @@
+"""`grom audit REQUEST_OR_EDIT_ID`: what one edit changed, for the people who must answer for it.
+
+The report holds the edited modules, each forget example's exact leave-one-out influence on each module (with the
+request it came from; its text only while that text has not been purged), the metrics before and after, the
+quantization check, the gate decision and the model versions. It is written as Markdown and JSON under
+<workspace>/audits/ and logged to the MLflow run that made the edit (artifact folder `audit`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from flows.workspace import Workspace
+from grom_core.errors import DataError
+from tasks.catalog import Catalog
+from tasks.requests import get_request
+from tasks.tracking import client
+
+HEADLINE = ("forget_rougeL_recall", "forget_probability", "retain_rougeL_recall", "retain_probability",
+            "forget_quality", "model_utility")
+
+
+def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True) -> dict:
+    ws = Workspace.resolve(home)
+    catalog = Catalog(ws.root / "catalog.duckdb")
+    edit_id = _edit_of(catalog, identifier)
+    edits = catalog.query("SELECT * FROM edits WHERE edit_id = ?", [edit_id])
+    if not edits:
+        raise DataError(f"no edit or request '{identifier}' in this workspace; a request id is a number (`grom "
+                        f"request list`), an edit id is a 16-character hex string")
+    edit = edits[0]
+    runs = catalog.query("SELECT * FROM runs WHERE edit_id = ? AND flow <> 'revert' ORDER BY started_at", [edit_id])
+    run = runs[-1] if runs else {}
+    metrics = json.loads(run["metrics"]) if run.get("metrics") else {}
+    requests = catalog.query("SELECT request_id, status, model_version, reason, requester, dataset_digest, purged "
+                             "FROM requests WHERE edit_id = ? ORDER BY request_id", [edit_id])
+    reverts = catalog.query("SELECT model_version FROM runs WHERE edit_id = ? AND flow = 'revert'", [edit_id])
+    report = {
+        "edit_id": edit_id, "method": edit["method"], "modules": json.loads(edit["modules"]),
+        "layers": json.loads(edit["layers"]), "params": json.loads(edit["params"]),
+        "base_fingerprint": edit["base_fingerprint"], "edited_fingerprint": edit["edited_fingerprint"],
+        "model": {"name": run.get("model_name"), "version": run.get("model_version"),
+                  "parent_version": metrics.get("parent_version"),
+                  "reverted_by": [r["model_version"] for r in reverts]},
+        "requests": [{k: v for k, v in r.items() if k != "dataset_digest"} for r in requests],
+        "metrics": {k: metrics.get(k, {}) for k in ("before", "after")},
+        "quantization": metrics.get("quantized", {}),
+        "gates": metrics.get("gates"),
+        "influence": _influence(catalog, edit_id, requests),
+        "mlflow_run_id": run.get("mlflow_run_id"),
+    }
+    out = ws.root / "audits"
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{edit_id}.json", out / f"{edit_id}.md"
+    json_path.write_text(json.dumps(report, indent=1, default=str))
+    md_path.write_text(markdown(report))
+    if log_to_mlflow and report["mlflow_run_id"]:
+        mlflow_client = client(ws.root)
+        for path in (json_path, md_path):
+            mlflow_client.log_artifact(report["mlflow_run_id"], str(path), artifact_path="audit")
+    return {**report, "report": {"markdown": str(md_path), "json": str(json_path)}}
+
+
+def _edit_of(catalog: Catalog, identifier: str) -> str:
+    if identifier.isdigit():
+        request = get_request(catalog, int(identifier))
+        if not request["edit_id"]:
+            raise DataError(f"request {identifier} has not been processed yet (status {request['status']}); run "
+                            f"`grom request process` first")
+        return request["edit_id"]
+    return identifier
+
+
+def _influence(catalog: Catalog, edit_id: str, requests: list[dict]) -> list[dict]:
+    """One row per forget example: its sha256, its request, its text unless purged, and its influence per module
+    (the Frobenius norm of the change its removal would make to that module's delta)."""
+    rows = catalog.query("SELECT module, example_index, example_sha256, value, flagged FROM influence "
+                         "WHERE edit_id = ? ORDER BY example_index, module", [edit_id])
+    texts = {r["sha256"]: r for r in catalog.query(
+        "SELECT sha256, question, answer, text, purged FROM examples WHERE sha256 IN "
+        "(SELECT example_sha256 FROM influence WHERE edit_id = ?)", [edit_id])}
+    owners = {}
+    for request in requests:
+        for r in catalog.query("SELECT sha256 FROM examples WHERE dataset_digest = ?", [request["dataset_digest"]]):
+            owners.setdefault(r["sha256"], request["request_id"])
+    examples: dict[int, dict] = {}
+    for row in rows:
+        item = examples.setdefault(row["example_index"], {
+            "example_index": row["example_index"], "sha256": row["example_sha256"],
+            "request_id": owners.get(row["example_sha256"]), "influence": {}, "flagged": False})
+        item["influence"][row["module"]] = row["value"]
+        item["flagged"] = item["flagged"] or bool(row["flagged"])
+    for item in examples.values():
+        text = texts.get(item["sha256"], {})
+        item["purged"] = bool(text.get("purged"))
+        item["text"] = None if item["purged"] else (text.get("question") or text.get("text"))
+        item["total"] = sum(item["influence"].values())
+    return sorted(examples.values(), key=lambda e: -e["total"])
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+
+
+def markdown(report: dict) -> str:
+    model = report["model"]
+    lines = [f"# Audit of edit {report['edit_id']}", "",
+             f"Method {report['method']} on layers {report['layers']}; modules: {', '.join(report['modules'])}.",
+             f"Model {model['name']}: version {model['version']} computed from version {model['parent_version']}"
+             + (f", reverted by version(s) {', '.join(map(str, model['reverted_by']))}" if model["reverted_by"]
+                else "") + ".",
+             f"Weights {report['base_fingerprint'][:12]} -> {report['edited_fingerprint'][:12]}.", ""]
+    if report["requests"]:
+        lines += ["## Requests", "", "| request | status | version | reason | requester | text purged |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['request_id']} | {r['status']} | {_fmt(r['model_version'])} | {_fmt(r['reason'])} | "
+                  f"{_fmt(r['requester'])} | {r['purged']} |" for r in report["requests"]]
+        lines.append("")
+    gates = report["gates"]
+    if gates:
+        verdict = "passed: the version was promoted" if gates["passed"] else "failed: " + "; ".join(gates["reasons"])
+        lines += [f"Gates {verdict}.", ""]
+    before, after = report["metrics"]["before"], report["metrics"]["after"]
+    lines += ["## Metrics", "", "| metric | before | after |", "|---|---|---|"]
+    lines += [f"| {k} | {_fmt(before.get(k))} | {_fmt(after.get(k))} |" for k in before
+              if isinstance(before.get(k), int | float)]
+    quant = {k: v for k, v in report["quantization"].items() if isinstance(v, dict)}
+    if quant:
+        lines += ["", "## Quantization attack", "", "| attack | forget ROUGE-L | recovery | codes changed |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k} | {_fmt(v.get('forget_rougeL_recall'))} | {_fmt(v.get('recovery_forget_rougeL_recall'))} "
+                  f"| {_fmt(v.get('codes_changed'))} |" for k, v in quant.items()]
+    modules = report["modules"]
+    lines += ["", "## Influence of each forget example (leave-one-out, Frobenius norm of the delta change)", "",
+              "| example | request | sha256 | text | " + " | ".join(modules) + " | flagged |",
+              "|---|---|---|---|" + "---|" * len(modules) + "---|"]
+    for e in report["influence"]:
+        text = "[purged]" if e["purged"] else _fmt(e["text"]).replace("|", "/")[:60]
+        lines.append(f"| {e['example_index']} | {_fmt(e['request_id'])} | {e['sha256'][:12]} | {text} | "
+                     + " | ".join(_fmt(e["influence"].get(m)) for m in modules) + f" | {e['flagged']} |")
+    return "\n".join(lines) + "\n"
+

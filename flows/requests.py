@@ -1,0 +1,155 @@
+"""The `process-deletion-requests` flow: reconcile -> claim pending requests -> unlearn them in one edit on the
+version in service -> evaluate and attack with quantization -> gates -> register (promoted or not) -> mark the
+requests done or for review, in one catalog transaction -> purge their raw text.
+
+Crash safety: the catalog transaction is the commit point. A version registered by a run that died before it
+(MLflow has it, the catalog does not) is an orphan: the next run moves the alias back and deletes it, and takes
+the dead run's claims back, so a request is applied exactly once, by the version that answers it.
+
+Import this module only after `flows.runtime.configure_prefect` has set Prefect's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from prefect import flow
+
+from flows.unlearn import Stages, catalog_rows, compute, register_outcome
+from flows.workspace import Workspace
+from grom_core.errors import DataError, FingerprintMismatchError
+from grom_core.gates import Gates
+from tasks import requests as queue
+from tasks.catalog import Catalog, now, record_run
+from tasks.lake import purge_forget_text
+from tasks.tracking import (
+    client,
+    delete_registration,
+    get_version,
+    serving_version,
+    set_serving,
+    version_model_dir,
+    versions,
+)
+
+log = logging.getLogger("grom.requests")
+
+
+@flow(name="process-deletion-requests")
+def process_deletion_requests(home: str | None = None, model_name: str | None = None, purge: bool = True,
+                              stale_after_s: float = 6 * 3600) -> dict:
+    """Answer every pending deletion request of a service model with one edit.
+
+    Args:
+        home: workspace folder (default ./.grom or GROM_HOME).
+        model_name: the registered model whose requests to process (default: the workspace's only service).
+        purge: once requests are done, drop their raw text from the catalog and the lake (sha256s, keys and
+            influence stay).
+        stale_after_s: a claim older than this is taken back even if its owner may still run on another host.
+
+    Returns {"processed": [ids], "version": N or None, "promoted": bool, "reasons": [gate failures], ...}.
+    """
+    ws = Workspace.resolve(home)
+    catalog = Catalog(ws.root / "catalog.duckdb")
+    service = queue.get_service(catalog, model_name)
+    name = service.model_name
+    removed = reconcile(ws.root, catalog, name, stale_after_s)
+    owner = queue.claim_owner()
+    ids = queue.claim(catalog, name, owner, stale_after_s)
+    if not ids:
+        log.info("no pending deletion request for %s", name)
+        return {"processed": [], "version": None, "promoted": False, "reasons": [], "orphans_removed": removed}
+    log.info("claimed requests %s for %s", ids, name)
+    batch = ws.root / "requests" / f"batch-{uuid.uuid4().hex[:12]}.jsonl"
+    try:
+        return _answer(ws, catalog, service, ids, owner, batch, purge) | {"orphans_removed": removed}
+    except BaseException as exc:
+        queue.release(catalog, ids, owner, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        batch.unlink(missing_ok=True)  # a copy of text the catalog holds (or has purged)
+
+
+def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[int], owner: str, batch: Path,
+            purge: bool) -> dict:
+    name, started, stages = service.model_name, now(), Stages()
+    parent = serving_version(ws.root, name)
+    if parent is None:
+        raise DataError(f"'{name}' has no version in service (alias 'serving'); register one with "
+                        f"`grom model register` or revert to one with `grom revert`")
+    parent_tags = get_version(ws.root, name, parent).tags
+    model_dir = version_model_dir(ws.root, name, parent)
+    batch.parent.mkdir(parents=True, exist_ok=True)
+    batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
+    evaluation = dict(service.evaluation)
+    quantizers = evaluation.pop("quantizers", None)
+    out = compute(stages, ws, model=str(model_dir), forget=str(batch), retain=service.retain_path, method="grom",
+                  params=service.params, compose=None, trainer={}, workers=0, dask_address=None, benchmark=None,
+                  quantization=True, quantizers=quantizers, evaluation=evaluation)
+    if parent_tags.get("fingerprint") and out["solved"]["fingerprint"] != parent_tags["fingerprint"]:
+        raise FingerprintMismatchError(f"the weights in {model_dir} are not those registered as version {parent} "
+                                       f"of '{name}'; restore the folder or register the model again")
+    reasons = Gates.from_dict(service.gates).check(out["before"], out["after"], out["quantized"])
+    promoted = not reasons
+    tags = {"grom.kind": "request", "grom.owner": owner, "parent_version": parent, "promoted": str(promoted).lower(),
+            "request_ids": ",".join(map(str, ids))}
+    registration = register_outcome(stages, ws, out, name=name, tags=tags)
+    status = queue.DONE if promoted else queue.REVIEW
+    timings = {**stages.timings, "total": time.perf_counter() - stages.start}
+    rows = catalog_rows(out, registration, flow="process-deletion-requests", started=started, timings=timings,
+                        extra_metrics={"gates": {"passed": promoted, "reasons": reasons, "thresholds": service.gates},
+                                       "parent_version": parent, "request_ids": ids})
+    purged = 0
+
+    def answer(con) -> None:
+        nonlocal purged
+        queue.finish(con, ids, status=status, version=registration.version, edit_id=out["solved"]["edit_id"],
+                     run_id=registration.run_id, reasons=reasons)
+        if promoted and purge:
+            purged = queue.purge_text(con, ids)
+
+    try:
+        if promoted:
+            set_serving(ws.root, name, registration.version)
+        record_run(catalog, rows, also=answer)
+    except BaseException:
+        if promoted:
+            set_serving(ws.root, name, parent)
+        delete_registration(ws.root, registration)
+        raise
+    if promoted and purge:
+        purge_forget_text(Path(out["data"]["forget"]["path"]), out["solved"]["edit_id"], ws.root / "lake")
+    log.info("requests %s -> %s version %s (%s)%s", ids, name, registration.version,
+             "promoted" if promoted else "not promoted", f": {'; '.join(reasons)}" if reasons else "")
+    return {"processed": ids, "version": registration.version, "promoted": promoted, "reasons": reasons,
+            "status": status, "parent_version": parent, "edit_id": out["solved"]["edit_id"], "model_name": name,
+            "metrics": {"before": out["before"], "after": out["after"], "quantized": out["quantized"]},
+            "purged_examples": purged, "model_dir": out["edited"]["model_dir"],
+            "seconds": time.perf_counter() - stages.start}
+
+
+def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float) -> list[str]:
+    """Delete the versions of `name` that a dead grom run registered but never committed to the catalog (moving
+    the alias back to their parent first). Versions registered by other tools (no `grom.kind` tag) are left alone,
+    and so are those of a run that may still be going (its owner alive and younger than `stale_after_s`)."""
+    recorded = {r["mlflow_run_id"] for r in catalog.query("SELECT mlflow_run_id FROM runs WHERE model_name = ?",
+                                                          [name])}
+    removed = []
+    for version in versions(root, name):
+        tags = version.tags
+        if "grom.kind" not in tags or version.run_id in recorded:
+            continue
+        age_s = time.time() - version.creation_timestamp / 1000
+        if not queue.owner_gone(tags.get("grom.owner")) and age_s < stale_after_s:
+            continue
+        if serving_version(root, name) == str(version.version):
+            set_serving(root, name, tags.get("parent_version"))
+        client(root).delete_model_version(name, version.version)
+        removed.append(str(version.version))
+        log.warning("removed version %s of %s: registered by a run that died before recording it", version.version,
+                    name)
+    return removed

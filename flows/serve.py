@@ -1,0 +1,94 @@
+"""`grom serve`: run `process-deletion-requests` on a schedule.
+
+With PREFECT_API_URL set, the flow is served against that server. Without it, a local Prefect server is started
+first (state under <workspace>/prefect, log in <workspace>/prefect/server.log) and stopped with `grom serve`:
+Ctrl-C, or SIGTERM to the `grom serve` process, stops the runner and then the server it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from flows.runtime import configure_prefect, quiet_prefect_tracebacks
+from flows.workspace import Workspace
+from grom_core.errors import GromError
+
+log = logging.getLogger("grom.serve")
+
+DEPLOYMENT = "process-deletion-requests"
+
+
+def start_local_server(ws: Workspace, port: int, timeout_s: float = 180) -> subprocess.Popen:
+    """Start `prefect server start` on 127.0.0.1:`port` and wait until its health endpoint answers."""
+    logfile = ws.root / "prefect" / "server.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    prefect = Path(sys.executable).with_name("prefect")
+    command = [str(prefect) if prefect.exists() else "prefect", "server", "start", "--host", "127.0.0.1",
+               "--port", str(port)]
+    with logfile.open("ab") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = logfile.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise GromError(f"the local Prefect server exited at start ({tail[0]}); is port {port} taken? pass "
+                            f"--port, or set PREFECT_API_URL to a running server (log: {logfile})")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    log.info("local Prefect server at %s (log %s)", url, logfile)
+                    return server
+        except OSError:
+            time.sleep(0.5)
+    stop_server(server)
+    raise GromError(f"the local Prefect server did not answer within {timeout_s:.0f} s (log: {logfile})")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)  # the server runs its API in child processes: stop the whole group
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM as Ctrl-C, so that `kill PID` also reaches the finally of `serve` and stops the server."""
+    raise KeyboardInterrupt
+
+
+def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s: float | None = None,
+          model_name: str | None = None, port: int = 4200) -> None:
+    """Serve the scheduled deletion-request run until interrupted; `interval_s` replaces `cron` when given."""
+    ws = Workspace.resolve(home)
+    configure_prefect(ws)
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):
+        server = start_local_server(ws, port)
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        from flows.requests import process_deletion_requests
+
+        quiet_prefect_tracebacks()
+        schedule = {"interval": interval_s} if interval_s else {"cron": cron}
+        log.info("serving %s (%s) for workspace %s; stop with Ctrl-C", DEPLOYMENT, schedule, ws.root)
+        process_deletion_requests.serve(name=DEPLOYMENT, parameters={"home": str(ws.root), "model_name": model_name},
+                                        pause_on_shutdown=False, **schedule)
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        if server is not None:
+            stop_server(server)
+            log.info("local Prefect server stopped")

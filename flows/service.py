@@ -1,0 +1,214 @@
+"""The deletion-request service around the flows: register the model in service, queue requests, revert a
+version. What `grom model register`, `grom request add|list|show` and `grom revert` do, apart from printing.
+
+Every command checks its inputs before it writes anything, and writes the catalog in one transaction after the
+registry, undoing the registry step when that transaction fails: a failed command leaves both as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from flows.workspace import Workspace
+from grom_core.closed_form import GromParams
+from grom_core.edit import Edit, Undo
+from grom_core.errors import DataError
+from grom_core.fingerprint import data_digest, weights_fingerprint
+from grom_core.gates import Gates
+from grom_core.loading import check_model_dir
+from tasks import requests as queue
+from tasks.catalog import Catalog, now, record_run
+from tasks.datafiles import read_examples
+from tasks.lake import _atomic_parquet, safe_name
+from tasks.steps import _example_record, load_for_edit
+from tasks.tracking import (
+    Registration,
+    delete_registration,
+    get_version,
+    register,
+    serving_version,
+    set_serving,
+    version_model_dir,
+)
+
+log = logging.getLogger("grom.service")
+
+DEFAULT_EVALUATION = {"max_examples": 200, "quantizers": ["fp4", "nf4"]}
+
+
+def _catalog(ws: Workspace) -> Catalog:
+    return Catalog(ws.root / "catalog.duckdb")
+
+
+def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,
+                   params: dict | None = None, gates: dict | None = None, evaluation: dict | None = None) -> dict:
+    """Register a base model in MLflow as a service that answers deletion requests.
+
+    The retain data is copied into the lake (Parquet) so later runs do not depend on the file staying put. When
+    the registered model has no version in service yet, the `serving` alias points at the new version.
+    """
+    ws = Workspace.resolve(home)
+    from flows.demo import preflight
+
+    preflight(model, retain, retain, params or {})
+    params = asdict(GromParams(**{k: tuple(v) if k == "layers" and v is not None else v
+                                  for k, v in (params or {}).items()}))
+    gates = asdict(Gates.from_dict(gates or {}))
+    evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
+    name = name or f"grom-{safe_name(Path(model).resolve().name)}"
+    catalog = _catalog(ws)
+    rows = read_examples(retain)
+    digest = data_digest(rows)
+    import pyarrow as pa
+
+    retain_path = _atomic_parquet(pa.Table.from_pylist(rows), ws.root / "lake" / "services" / safe_name(name) /
+                                  f"retain-{digest[:24]}.parquet")
+    model_path = check_model_dir(model).resolve()
+    loaded, _ = load_for_edit(str(model_path))
+    fingerprint = weights_fingerprint(loaded)
+    del loaded
+    registration = register(ws.root, run_name=f"register-{name}", model_name=name,
+                            params={"model_dir": str(model_path), "retain": str(retain)}, metrics={}, datasets=[],
+                            artifacts={}, model_dir=model_path,
+                            tags={"grom.kind": "base", "grom.owner": queue.claim_owner(), "fingerprint": fingerprint,
+                                  "model_dir": str(model_path)})
+    previous = serving_version(ws.root, name)
+    promoted = previous is None
+    service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest,
+                            params=_jsonable(params), gates=gates, evaluation=evaluation)
+    try:
+        if promoted:
+            set_serving(ws.root, name, registration.version)
+        record_run(catalog, _run_row(registration, "register", fingerprint, str(model_path)),
+                   also=lambda con: queue.save_service(con, service))
+    except BaseException:
+        if promoted:
+            set_serving(ws.root, name, previous)
+        delete_registration(ws.root, registration)
+        raise
+    return {"model_name": name, "version": registration.version, "serving": promoted,
+            "serving_version": registration.version if promoted else previous, "fingerprint": fingerprint,
+            "retain": str(retain_path), "retain_examples": len(rows), "gates": gates, "evaluation": evaluation,
+            "mlflow_run_id": registration.run_id}
+
+
+def register_benchmark_model(benchmark: str, *, name: str | None = None, home: str | None = None,
+                             params: dict | None = None, gates: dict | None = None,
+                             evaluation: dict | None = None, authors: int | None = None) -> dict:
+    """The demo service: a shipped benchmark's target model (built and cached like `grom demo` does) with the
+    retain split of its default forget split and the benchmark's GROM preset."""
+    from flows.evaluation import build_benchmark
+    from grom_core.benchmarks.minitofu import RETAIN_OF
+    from grom_core.benchmarks.registry import get_benchmark
+
+    if benchmark != "minitofu":
+        raise DataError(f"--benchmark {benchmark}: only minitofu ships a service setup; pass --model and --retain")
+    config = None
+    if authors is not None:
+        from grom_core.benchmarks.minitofu import MiniTofuConfig
+
+        config = MiniTofuConfig(authors=authors)
+    built = build_benchmark(benchmark, None, home, None, config=config)
+    retain_split = RETAIN_OF[built.split]
+    return register_model(str(built.models["target"]), str(built.splits[retain_split]),
+                          name=name or f"grom-{benchmark}", home=home,
+                          params={**get_benchmark(benchmark).grom_params, **(params or {})}, gates=gates,
+                          evaluation=evaluation)
+
+
+def _jsonable(params: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
+def _run_row(registration: Registration, flow: str, fingerprint: str, model_dir: str, **extra) -> dict:
+    return {"run": {"run_id": registration.run_id, "flow": flow, "method": None, "base_fingerprint": fingerprint,
+                    "edited_fingerprint": fingerprint, "forget_digest": None, "retain_digest": None,
+                    "mlflow_run_id": registration.run_id, "model_name": registration.model_name,
+                    "model_version": registration.version, "model_dir": model_dir, "started_at": now(), **extra}}
+
+
+def add_request(forget: str, *, reason: str | None = None, requester: str | None = None,
+                model_name: str | None = None, home: str | None = None) -> dict:
+    """Queue a deletion request: the file's examples go into the catalog with their sha256, status pending."""
+    ws = Workspace.resolve(home)
+    catalog = _catalog(ws)
+    service = queue.get_service(catalog, model_name)
+    rows = read_examples(forget)
+    examples = [_example_record(r) for r in rows]
+    dataset = {"digest": data_digest(rows), "name": f"request:{Path(forget).name}", "role": "request",
+               "source": str(forget), "examples": examples}
+    request_id = queue.add_request(catalog, service.model_name, dataset, reason=reason, requester=requester)
+    log.info("request %d queued for %s: %d examples from %s", request_id, service.model_name, len(rows), forget)
+    return {"request_id": request_id, "status": queue.PENDING, "model_name": service.model_name,
+            "examples": len(rows)}
+
+
+def list_requests(home: str | None = None, status: str | None = None) -> dict:
+    return {"requests": queue.list_requests(_catalog(Workspace.resolve(home)), status)}
+
+
+def show_request(request_id: int, home: str | None = None) -> dict:
+    return queue.get_request(_catalog(Workspace.resolve(home)), request_id)
+
+
+def revert_version(version: str, *, model_name: str | None = None, home: str | None = None) -> dict:
+    """Undo the edit of `version` (the version in service) bit for bit, register the restored weights as a new
+    version, move the alias to it, and reopen the requests `version` answered."""
+    ws = Workspace.resolve(home)
+    catalog = _catalog(ws)
+    name = queue.get_service(catalog, model_name).model_name
+    tags = get_version(ws.root, name, version).tags
+    serving = serving_version(ws.root, name)
+    if str(version) != serving:
+        raise DataError(f"version {version} of '{name}' is not in service (version {serving} is); only the version "
+                        f"in service can be reverted exactly, so revert {serving} first")
+    if not tags.get("edit_id") or not tags.get("parent_version"):
+        raise DataError(f"version {version} of '{name}' is a base model, not an edit: there is nothing to revert")
+    parent = tags["parent_version"]
+    parent_fingerprint = get_version(ws.root, name, parent).tags.get("fingerprint")
+    edit_dir = ws.edits / tags["edit_id"]
+    if not (edit_dir / "undo.safetensors").is_file():
+        raise DataError(f"{edit_dir} has no undo.safetensors; the edit of version {version} cannot be reverted "
+                        f"exactly from this workspace")
+    model, tokenizer = load_for_edit(str(version_model_dir(ws.root, name, version)))
+    edit = Edit.load(edit_dir)
+    edit.revert(model, Undo.load(edit_dir / "undo.safetensors"))  # verifies the base fingerprint bit for bit
+    fingerprint = weights_fingerprint(model)
+    if parent_fingerprint and fingerprint != parent_fingerprint:
+        raise DataError(f"reverting edit {edit.edit_id} gave weights {fingerprint[:12]}, not those of version "
+                        f"{parent} ({parent_fingerprint[:12]}); the edit does not belong to that parent")
+    out = ws.models / f"restored-{edit.edit_id}"
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    registration = register(ws.root, run_name=f"revert-{name}-v{version}", model_name=name,
+                            params={"reverts": version, "edit_id": edit.edit_id}, metrics={}, datasets=[],
+                            artifacts={}, model_dir=out,
+                            tags={"grom.kind": "revert", "grom.owner": queue.claim_owner(), "fingerprint": fingerprint,
+                                  "model_dir": str(out), "parent_version": str(version), "reverts": str(version),
+                                  "restores": parent, "edit_id_reverted": edit.edit_id})
+    reopened: list[int] = []
+
+    def reopen(con) -> None:
+        reopened.extend(queue.reopen(con, name, str(version), f"version {version} reverted by version "
+                                                               f"{registration.version}"))
+
+    try:
+        set_serving(ws.root, name, registration.version)
+        record_run(catalog, _run_row(registration, "revert", fingerprint, str(out), edit_id=edit.edit_id),
+                   also=reopen)
+    except BaseException:
+        set_serving(ws.root, name, serving)
+        delete_registration(ws.root, registration)
+        raise
+    log.info("version %s of %s reverted: version %s restores version %s; reopened requests %s", version, name,
+             registration.version, parent, reopened)
+    return {"version": registration.version, "reopened": reopened, "reverted": str(version), "restores": parent,
+            "fingerprint": fingerprint, "model_dir": str(out), "model_name": name}
