@@ -135,7 +135,7 @@ def markdown(report: dict) -> str:
               "| example | request | sha256 | text | " + " | ".join(modules) + " | flagged |",
               "|---|---|---|---|" + "---|" * len(modules) + "---|"]
     for e in report["influence"]:
-        text = "[purged]" if e["purged"] else _fmt(e["text"]).replace("|", "/")[:60]
+        text = "(purged)" if e["purged"] else _fmt(e["text"]).replace("|", "/")[:60]
         lines.append(f"| {e['example_index']} | {_fmt(e['request_id'])} | {e['sha256'][:12]} | {text} | "
                      + " | ".join(_fmt(e["influence"].get(m)) for m in modules) + f" | {e['flagged']} |")
     return "\n".join(lines) + "\n"

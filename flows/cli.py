@@ -427,7 +427,7 @@ def request_show(
         examples.add_column(column)
     for e in result["examples"]:
         examples.add_row(str(e["index"]), e["sha256"][:16],
-                         "[purged]" if e["purged"] else _fmt(e["question"] or e["text"]))
+                         "(purged)" if e["purged"] else _fmt(e["question"] or e["text"]))
     _emit(result, as_json, summary, events, examples)
 
 

@@ -1,0 +1,267 @@
+"""The deletion-request service end to end: real DuckDB, MLflow on SQLite, Prefect's test harness, the tiny model.
+
+The `grom` commands run in this process through `flows.cli.main` (the console script's entry point), so each
+call sees exactly what a user sees: one JSON object on stdout, a one-line error and exit code 2 on stderr.
+"""
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import FORGET, RETAIN
+from safetensors.torch import load_file
+
+from flows import cli
+from tasks import requests as queue
+from tasks.catalog import Catalog
+from tasks.tracking import register, serving_version, set_serving, versions
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("requests-data")
+
+    def write(name, examples):
+        (root / name).write_text("".join(json.dumps(ex.record()) + "\n" for ex in examples))
+        return str(root / name)
+
+    return {"retain": write("retain.jsonl", RETAIN), "req1": write("req1.jsonl", FORGET[:8]),
+            "req2": write("req2.jsonl", FORGET[8:]), "root": root}
+
+
+def grom(capsys, monkeypatch, *args):
+    """Run `grom ARGS` in this process; returns (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["grom", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def grom_json(capsys, monkeypatch, *args):
+    code, out, err = grom(capsys, monkeypatch, *args, "--json")
+    assert code == 0, err[-3000:]
+    return json.loads(out)
+
+
+def make_service(capsys, monkeypatch, home, trained_dir, data, gates=None):
+    args = ["model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--home", str(home),
+            "--name", "svc", "--evaluation", '{"quantizers": ["fp4"]}']
+    if gates:
+        args += ["--gates", json.dumps(gates)]
+    return grom_json(capsys, monkeypatch, *args)
+
+
+def request_statuses(home):
+    return {r["request_id"]: (r["status"], r["model_version"]) for r in queue.list_requests(Catalog(
+        home / "catalog.duckdb"))}
+
+
+def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_dir, data, tmp_path, capsys,
+                                                              monkeypatch):
+    home = tmp_path / "ws"
+    base = make_service(capsys, monkeypatch, home, trained_dir, data)
+    assert base["version"] == "1" and base["serving"] and serving_version(home, "svc") == "1"
+    first = grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--reason", "GDPR art. 17",
+                      "--requester", "alice", "--home", str(home))
+    second = grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req2"], "--home", str(home))
+    assert (first["request_id"], second["request_id"]) == (1, 2)
+    listed = grom_json(capsys, monkeypatch, "request", "list", "--home", str(home))["requests"]
+    assert [(r["id"], r["status"], r["model_version"]) for r in listed] == [(1, "pending", None), (2, "pending", None)]
+
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["processed"] == [1, 2] and done["version"] == "2" and done["promoted"] is True, done["reasons"]
+    assert serving_version(home, "svc") == "2"
+    assert request_statuses(home) == {1: ("done", "2"), 2: ("done", "2")}
+    after, before = done["metrics"]["after"], done["metrics"]["before"]
+    assert after["forget_rougeL_recall"] <= 0.5 and after["forget_probability"] < 0.5 * before["forget_probability"]
+
+    # privacy: the raw text is gone from the catalog and the lake, the sha256s, keys and influence stay
+    shown = grom_json(capsys, monkeypatch, "request", "show", "1", "--home", str(home))
+    assert shown["purged"] and all(e["purged"] and e["question"] is None and len(e["sha256"]) == 64
+                                   for e in shown["examples"])
+    catalog = Catalog(home / "catalog.duckdb")
+    assert catalog.query("SELECT count(*) AS n FROM examples WHERE question = ?", [FORGET[0].question])[0]["n"] == 0
+    assert catalog.query("SELECT count(*) AS n FROM examples WHERE question = ?", [RETAIN[0].question])[0]["n"] >= 1
+    for path in (home / "lake" / "datasets").glob("forget-*.parquet"):
+        assert "question" not in pq.read_table(path).column_names
+    shards = list((home / "lake" / "keys" / done["edit_id"]).glob("*.parquet"))
+    assert shards and all(set(pq.read_table(s).column_names) == {"example_id", "position", "module", "key"}
+                          for s in shards)
+    assert not list((home / "requests").glob("*.jsonl"))
+
+    # the audit works from sha256s and influence alone
+    report = grom_json(capsys, monkeypatch, "audit", "2", "--home", str(home))
+    assert report["edit_id"] == done["edit_id"] and report["model"] == {
+        "name": "svc", "version": "2", "parent_version": "1", "reverted_by": []}
+    assert {e["request_id"] for e in report["influence"]} == {1, 2} and len(report["influence"]) == len(FORGET)
+    assert all(e["purged"] and e["text"] is None and e["total"] > 0 for e in report["influence"])
+    assert set(report["influence"][0]["influence"]) == set(report["modules"])
+    assert report["gates"]["passed"] and "fp4" in report["quantization"]
+    markdown = Path(report["report"]["markdown"]).read_text()
+    assert "| 1 | done | 2 | GDPR art. 17 | alice | True |" in markdown and FORGET[0].question not in markdown
+    from tasks.tracking import client
+
+    logged = {a.path for a in client(home).list_artifacts(report["mlflow_run_id"], "audit")}
+    assert logged == {f"audit/{done['edit_id']}.md", f"audit/{done['edit_id']}.json"}
+
+    # a second run finds nothing to do: a request is never applied twice
+    again = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert again["processed"] == [] and serving_version(home, "svc") == "2"
+
+    # revert restores version 1's weights bit for bit, as a new version in service, and reopens both requests
+    reverted = grom_json(capsys, monkeypatch, "revert", "--version", "2", "--home", str(home))
+    assert reverted["version"] == "3" and reverted["reopened"] == [1, 2] and reverted["restores"] == "1"
+    assert reverted["fingerprint"] == base["fingerprint"] and serving_version(home, "svc") == "3"
+    restored = load_file(str(Path(reverted["model_dir"]) / "model.safetensors"))
+    original = load_file(str(Path(trained_dir) / "model.safetensors"))
+    assert restored.keys() == original.keys()
+    assert all(restored[k].view(torch.uint8).equal(original[k].view(torch.uint8)) for k in original)
+    assert request_statuses(home) == {1: ("reopened", "2"), 2: ("reopened", "2")}
+    by_edit = grom_json(capsys, monkeypatch, "audit", done["edit_id"], "--home", str(home))
+    assert by_edit["model"]["reverted_by"] == ["3"]
+    # a reopened request may be submitted again (its text was purged, so it comes with its file)
+    assert grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home",
+                     str(home))["request_id"] == 3
+
+
+def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data, gates={"min_retain_probability_ratio": 0.9999})
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["version"] == "2" and done["promoted"] is False and done["status"] == "review"
+    assert any("retain probability kept" in r for r in done["reasons"])
+    assert serving_version(home, "svc") == "1"  # the registered version is not put in service
+    request = queue.get_request(Catalog(home / "catalog.duckdb"), 1)
+    assert request["status"] == "review" and request["review_reasons"] == done["reasons"]
+    assert not request["purged"] and request["examples"][0]["question"] == FORGET[0].question
+
+
+def _claim_in_process(path, queue_out):
+    queue_out.put(queue.claim(Catalog(path), "svc", queue.claim_owner()))
+
+
+def _seed_requests(home, n):
+    catalog = Catalog(home / "catalog.duckdb")
+    with catalog.transaction() as con:
+        queue.save_service(con, queue.Service("svc", "r.parquet", "d", {}, {}, {}))
+    for i in range(n):
+        example = {"question": f"q{i}", "answer": "a", "sha256": f"{i:064x}"}
+        queue.add_request(catalog, "svc", {"digest": f"digest-{i}", "name": "r", "role": "request", "source": "f",
+                                           "examples": [example]}, reason=None, requester=None)
+    return catalog
+
+
+def test_two_processes_never_claim_the_same_request(tmp_path):
+    catalog = _seed_requests(tmp_path, 12)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [context.Process(target=_claim_in_process, args=(catalog.path, out)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    claimed = [out.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+    flat = [rid for ids in claimed for rid in ids]
+    assert sorted(flat) == list(range(1, 13))  # every request taken once, none twice
+    assert {r["status"] for r in queue.list_requests(catalog)} == {"processing"}
+
+
+def dead_owner() -> str:
+    """A claim owner on this host whose process has exited."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return f"{socket.gethostname()}:{dead.stdout.strip()}"
+
+
+def test_stale_claims_are_taken_back_live_ones_are_not(tmp_path):
+    catalog = _seed_requests(tmp_path, 2)
+    assert queue.claim(catalog, "svc", dead_owner()) == [1, 2]
+    assert queue.claim(catalog, "svc", queue.claim_owner()) == [1, 2]  # the owner is dead: both come back
+    assert queue.claim(catalog, "svc", "other") == []  # this process is alive and the claim is fresh
+    assert queue.claim(catalog, "svc", "other", stale_after_s=0) == [1, 2]  # too old: taken back
+    queue.release(catalog, [1], "other", "test")
+    assert queue.get_request(catalog, 1)["status"] == "pending"
+
+
+def test_failed_run_releases_its_claims_and_registers_nothing(harness, trained_dir, data, tmp_path, capsys,
+                                                              monkeypatch):
+    """The folder of the version in service changed behind grom's back: the run stops before registering."""
+    home = tmp_path / "ws"
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    make_service(capsys, monkeypatch, home, model, data)
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    from safetensors.torch import save_file
+
+    weights = load_file(str(model / "model.safetensors"))
+    weights["lm_head.weight"][0, 0] += 1.0
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    code, out, err = grom(capsys, monkeypatch, "request", "process", "--home", str(home), "--json")
+    assert code == 2 and out == "" and "not those registered as version 1" in err
+    assert request_statuses(home) == {1: ("pending", None)}
+    assert [str(v.version) for v in versions(home, "svc")] == ["1"] and serving_version(home, "svc") == "1"
+
+
+def test_run_killed_mid_solve_is_recovered_on_the_next_run(harness, trained_dir, data, tmp_path, capsys,
+                                                          monkeypatch):
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or "", "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", "request", "process", "--home", str(home)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    stats = home / "lake" / "retain_stats"
+    deadline = time.monotonic() + 300
+    while not any(stats.rglob("*.safetensors")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.poll() is None, "the run ended before it reached the solve"
+    os.killpg(child.pid, signal.SIGKILL)  # retain statistics are written: the solve is next
+    child.wait()
+    assert request_statuses(home) == {1: ("processing", None)}
+    assert [str(v.version) for v in versions(home, "svc")] == ["1"]
+
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["processed"] == [1] and done["version"] == "2" and done["promoted"]
+    assert request_statuses(home) == {1: ("done", "2")}
+    events = [e["detail"] for e in queue.get_request(Catalog(home / "catalog.duckdb"), 1)["events"]]
+    assert any("stale claim taken back" in e for e in events)
+
+
+def test_orphan_version_of_a_dead_run_is_removed_and_the_alias_moved_back(harness, trained_dir, data, tmp_path,
+                                                                          capsys, monkeypatch):
+    """A run that died between registering its version (and moving the alias) and the catalog commit."""
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    orphan = register(home, run_name="died", model_name="svc", params={}, metrics={}, datasets=[], artifacts={},
+                      model_dir=Path(trained_dir), tags={"grom.kind": "request", "grom.owner": dead_owner(),
+                                                         "parent_version": "1", "request_ids": "1"})
+    set_serving(home, "svc", orphan.version)
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["orphans_removed"] == ["2"] and done["processed"] == []
+    assert [str(v.version) for v in versions(home, "svc")] == ["1"] and serving_version(home, "svc") == "1"
