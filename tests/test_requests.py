@@ -265,3 +265,82 @@ def test_orphan_version_of_a_dead_run_is_removed_and_the_alias_moved_back(harnes
     done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
     assert done["orphans_removed"] == ["2"] and done["processed"] == []
     assert [str(v.version) for v in versions(home, "svc")] == ["1"] and serving_version(home, "svc") == "1"
+
+
+def registry_state(home):
+    return sorted(str(v.version) for v in versions(home, "svc")), serving_version(home, "svc")
+
+
+def test_bad_inputs_exit_with_one_line_and_change_nothing(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    root = data["root"]
+    (root / "empty.jsonl").write_text("")
+    (root / "broken.jsonl").write_text('{"question": "q", "answer": "a"}\n{broken\n')
+    (root / "columns.csv").write_text("prompt,completion\nx,y\n")
+    (root / "header-only.csv").write_text("question,answer\n")
+    h = ["--home", str(home)]
+    cases = [
+        (("request", "add", "--forget", str(root / "missing.jsonl"), *h), "does not exist"),
+        (("request", "add", "--forget", str(root / "empty.jsonl"), *h), "no rows"),
+        (("request", "add", "--forget", str(root / "header-only.csv"), *h), "no rows"),
+        (("request", "add", "--forget", str(root / "broken.jsonl"), *h), "line 2"),
+        (("request", "add", "--forget", str(root / "columns.csv"), *h), "columns"),
+        (("request", "add", "--forget", data["req1"], *h), "duplicate request"),
+        (("request", "add", "--forget", data["req2"], "--model-name", "nope", *h), "no model named 'nope'"),
+        (("request", "show", "99", *h), "no deletion request 99"),
+        (("request", "list", "--status", "lost", *h), "unknown status"),
+        (("audit", "99", *h), "no deletion request 99"),
+        (("audit", "1", *h), "has not been processed yet"),
+        (("audit", "0123456789abcdef", *h), "no edit or request"),
+        (("revert", "--version", "99", *h), "has no version 99"),
+        (("revert", "--version", "1", *h), "base model"),
+        (("model", "register", "--model", str(root / "nowhere"), "--retain", data["retain"], "--name", "svc", *h),
+         "does not exist"),
+        (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc",
+          "--gates", "{max: 1}", *h), "not valid JSON"),
+        (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc",
+          "--gates", '{"max_forget_rouge": 0.4}', *h), "unknown gates"),
+    ]
+    before = registry_state(home)
+    for args, message in cases:
+        code, out, err = grom(capsys, monkeypatch, *args)
+        assert code == 2 and out == "", (args, out, err)
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert queue.count(Catalog(home / "catalog.duckdb")) == 1, args
+        assert registry_state(home) == before, args
+
+    # the catalog locked by another process: wait, then give up with a clear line
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(120)", str(home / "catalog.duckdb")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("GROM_CATALOG_LOCK_TIMEOUT_S", "1")
+        code, out, err = grom(capsys, monkeypatch, "request", "add", "--forget", data["req2"], *h)
+        assert code == 2 and "locked" in err and "GROM_CATALOG_LOCK_TIMEOUT_S" in err and "Traceback" not in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert queue.count(Catalog(home / "catalog.duckdb")) == 1 and registry_state(home) == before
+
+    # the version in service deleted from the registry behind grom's back
+    from tasks.tracking import client
+
+    client(home).delete_model_version("svc", "1")
+    code, out, err = grom(capsys, monkeypatch, "request", "process", *h)
+    assert code == 2 and "no version in service" in err and "Traceback" not in err
+    assert request_statuses(home) == {1: ("pending", None)}  # claimed, then released
+
+
+def test_read_only_workspace_is_a_one_line_error(tmp_path, data, capsys, monkeypatch):
+    if os.geteuid() == 0:  # root writes through permission bits: use a file system that refuses everyone
+        home = Path("/sys/grom-workspace")
+    else:
+        home = tmp_path / "ro"
+        home.mkdir()
+        home.chmod(0o555)
+    code, out, err = grom(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    assert code == 2 and "not writable" in err and "--home" in err and "Traceback" not in err
+    assert not (home / "catalog.duckdb").exists()
