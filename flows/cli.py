@@ -400,7 +400,7 @@ def request_list(
     for column in REQUEST_COLUMNS:
         table.add_column(column.replace("_", " "))
     for r in result["requests"]:
-        table.add_row(*[_fmt(r.get(c)) for c in REQUEST_COLUMNS])
+        table.add_row(*["" if r.get(c) is None else _fmt(r[c])[:19] for c in REQUEST_COLUMNS])
     _emit(result, as_json, table)
 
 

@@ -70,7 +70,10 @@ def _interrupt(signum, frame) -> None:
 
 def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s: float | None = None,
           model_name: str | None = None, port: int = 4200) -> None:
-    """Serve the scheduled deletion-request run until interrupted; `interval_s` replaces `cron` when given."""
+    """Serve the scheduled deletion-request run until interrupted; `interval_s` replaces `cron` when given.
+
+    One run at a time (`limit=1`): a run that lasts longer than the interval delays the next one instead of
+    overlapping it (overlapping runs would be safe, as claims are atomic, but would only find nothing to do)."""
     ws = Workspace.resolve(home)
     configure_prefect(ws)
     server = None
@@ -85,7 +88,7 @@ def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s
         schedule = {"interval": interval_s} if interval_s else {"cron": cron}
         log.info("serving %s (%s) for workspace %s; stop with Ctrl-C", DEPLOYMENT, schedule, ws.root)
         process_deletion_requests.serve(name=DEPLOYMENT, parameters={"home": str(ws.root), "model_name": model_name},
-                                        pause_on_shutdown=False, **schedule)
+                                        pause_on_shutdown=False, limit=1, **schedule)
     except KeyboardInterrupt:
         log.info("stopping")
     finally:

@@ -130,8 +130,9 @@ def get_request(catalog: Catalog, request_id: int) -> dict:
             raise DataError(f"no deletion request {request_id} in this workspace ({total} requests); list them "
                             f"with `grom request list`")
         request = found[0]
-        request["events"] = [{"at": at, "status": status, "detail": detail} for at, status, detail in con.execute(
-            "SELECT event_at, status, detail FROM request_events WHERE request_id = ? ORDER BY event_at", [request_id]).fetchall()]
+        events = con.execute("SELECT event_at, status, detail FROM request_events WHERE request_id = ? "
+                             "ORDER BY event_at", [request_id]).fetchall()
+        request["events"] = [{"at": at, "status": status, "detail": detail} for at, status, detail in events]
         request["examples"] = [
             {"index": i, "sha256": sha, "question": q, "answer": a, "text": t, "purged": p}
             for i, sha, q, a, t, p in con.execute(

@@ -344,3 +344,51 @@ def test_read_only_workspace_is_a_one_line_error(tmp_path, data, capsys, monkeyp
     code, out, err = grom(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
     assert code == 2 and "not writable" in err and "--home" in err and "Traceback" not in err
     assert not (home / "catalog.duckdb").exists()
+
+
+def test_serve_starts_a_local_server_processes_on_schedule_and_stops(trained_dir, data, tmp_path, capsys,
+                                                                      monkeypatch):
+    """`grom serve` without PREFECT_API_URL: a local server, the scheduled flow, and a clean stop on Ctrl-C."""
+    import socket
+
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    with (tmp_path / "serve.log").open("w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--interval", "5", "--port",
+                                   str(port), "--home", str(home)], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 400
+        while request_statuses(home)[1][0] != "done" and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(2)
+        assert request_statuses(home) == {1: ("done", "2")}, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=120)
+    with socket.socket() as probe:  # the local server stopped with it
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    assert "local Prefect server stopped" in (tmp_path / "serve.log").read_text()
+
+
+def test_prefect_yaml_deployments_point_at_real_flows():
+    import importlib
+    import inspect
+
+    import yaml
+    from prefect.client.schemas.schedules import CronSchedule
+
+    config = yaml.safe_load(Path("prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in config["deployments"]}
+    assert {"unlearn", "process-deletion-requests"} <= set(deployments)
+    for name, deployment in deployments.items():
+        path, attribute = deployment["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), attribute)
+        assert flow.name == name
+        assert set(deployment["parameters"]) <= set(inspect.signature(flow.fn).parameters), name
+    schedule = deployments["process-deletion-requests"]["schedules"][0]
+    assert CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"]).cron == "*/30 * * * *"
