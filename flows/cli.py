@@ -119,7 +119,8 @@ def demo(
 
 @app.command()
 def unlearn(
-    model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors).")],
+    model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors), or models:/NAME/VERSION "
+                                            "or models:/NAME@serving from the workspace's registry.")],
     forget: Annotated[str, typer.Option(help="Forget data: JSON, JSONL, Parquet or CSV.")],
     retain: Annotated[str, typer.Option(help="Retain data, same formats.")],
     method: MethodOpt = "grom",

@@ -48,8 +48,11 @@ def run_demo(home: str | None = None, split: str = "forget10", params: dict | No
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
                 method: str = "grom", compose: str | None = None, quantization: bool = False) -> dict:
+    from tasks.tracking import resolve_model
+
     ws = Workspace.resolve(home)
     check_method(method, compose)
+    model = resolve_model(ws.root, model)
     preflight(model, forget, retain, params or {})
     configure_prefect(ws)
     from flows.unlearn import unlearn

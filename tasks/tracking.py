@@ -195,3 +195,24 @@ def version_model_dir(root: Path, name: str, version: str) -> Path:
         raise DataError(f"version {version} of '{name}' has neither its local folder ({local}) nor safetensors "
                         f"weights among its artifacts; register the model again")
     return check_model_dir(str(found[0]))
+
+
+def resolve_model(root: Path, model: str) -> str:
+    """A model argument as a local folder: `models:/NAME/VERSION` or `models:/NAME@ALIAS` is looked up in the
+    workspace's registry (see `version_model_dir`); anything else is taken as a folder."""
+    if not model.startswith("models:/"):
+        return model
+    ref = model.removeprefix("models:/")
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        from mlflow.exceptions import MlflowException
+
+        try:
+            version = str(client(root).get_model_version_by_alias(name, alias).version)
+        except MlflowException as exc:
+            raise DataError(f"{model}: registered model '{name}' has no alias '{alias}'") from exc
+    else:
+        name, _, version = ref.rpartition("/")
+        if not name or not version:
+            raise DataError(f"{model}: write models:/NAME/VERSION or models:/NAME@ALIAS")
+    return str(version_model_dir(root, name, version))

@@ -392,3 +392,27 @@ def test_prefect_yaml_deployments_point_at_real_flows():
         assert set(deployment["parameters"]) <= set(inspect.signature(flow.fn).parameters), name
     schedule = deployments["process-deletion-requests"]["schedules"][0]
     assert CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"]).cron == "*/30 * * * *"
+
+
+def test_registered_versions_resolve_to_folders_even_when_the_folder_is_gone(trained_dir, data, tmp_path, capsys,
+                                                                             monkeypatch):
+    from grom_core.errors import DataError
+    from tasks.tracking import resolve_model
+
+    home = tmp_path / "ws"
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    make_service(capsys, monkeypatch, home, model, data)
+    assert resolve_model(home, "models:/svc/1") == str(model)
+    assert resolve_model(home, "models:/svc@serving") == str(model)
+    assert resolve_model(home, str(trained_dir)) == str(trained_dir)
+    with pytest.raises(DataError, match="has no version 7"):
+        resolve_model(home, "models:/svc/7")
+    with pytest.raises(DataError, match="no alias 'prod'"):
+        resolve_model(home, "models:/svc@prod")
+    shutil.rmtree(model)  # the registered artifacts stand in for the folder
+    downloaded = Path(resolve_model(home, "models:/svc@serving"))
+    assert downloaded.is_relative_to(home / "cache" / "registry")
+    weights = load_file(str(next(downloaded.glob("*.safetensors"))))
+    original = load_file(str(Path(trained_dir) / "model.safetensors"))
+    assert all(weights[k].equal(original[k]) for k in original)
