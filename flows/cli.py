@@ -363,6 +363,36 @@ def _json_option(text: str | None, option: str) -> dict:
     return value
 
 
+@model_app.command("promote")
+def model_promote(
+    version: Annotated[str, typer.Option(help="A version that failed its gates, computed from the one in service.")],
+    model_name: ModelNameOpt = None,
+    purge: Annotated[bool, typer.Option(help="Purge the raw text of the requests it answers.")] = True,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """After human review: put a version in service despite its gates, and mark its requests done."""
+    from flows.service import promote_version
+
+    _setup_logging(True)
+    result = promote_version(version, model_name=model_name, home=home, purge=purge)
+    _emit(result, as_json, _key_values(Table(title=f"promoted version {version}"), result))
+
+
+@request_app.command("requeue")
+def request_requeue(
+    request_id: Annotated[int, typer.Argument(help="A request in review or reopened.")],
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a request in review (or reopened, text not purged) again; the next run processes it."""
+    from flows.service import requeue_request
+
+    _setup_logging(False)
+    result = requeue_request(request_id, home)
+    _emit(result, as_json, _key_values(Table(title=f"request {request_id}"), result))
+
+
 @request_app.command("add")
 def request_add(
     forget: Annotated[str, typer.Option(help="What to forget: JSON, JSONL, Parquet or CSV (question/answer or text).")],

@@ -153,6 +153,55 @@ def show_request(request_id: int, home: str | None = None) -> dict:
     return queue.get_request(_catalog(Workspace.resolve(home)), request_id)
 
 
+def promote_version(version: str, *, model_name: str | None = None, home: str | None = None,
+                    purge: bool = True) -> dict:
+    """Put a version that failed its gates in service after human review, and mark its requests done."""
+    import getpass
+
+    from tasks.lake import dataset_path, purge_forget_text
+
+    ws = Workspace.resolve(home)
+    catalog = _catalog(ws)
+    name = queue.get_service(catalog, model_name).model_name
+    tags = get_version(ws.root, name, version).tags
+    serving = serving_version(ws.root, name)
+    kind, parent = tags.get("grom.kind"), tags.get("parent_version")
+    if str(version) == serving and kind != "request":
+        raise DataError(f"version {version} of '{name}' is already in service")
+    # version == serving: a promotion interrupted after the alias moved; running it again finishes it
+    if str(version) != serving and (kind != "request" or parent != serving):
+        raise DataError(f"version {version} of '{name}' was not computed from the version in service ({serving}); "
+                        f"promoting it would drop what happened since: queue its requests again with "
+                        f"`grom request requeue ID`")
+    runs = catalog.query("SELECT forget_digest, edit_id FROM runs WHERE model_name = ? AND model_version = ?",
+                         [name, str(version)])
+    if str(version) != serving:
+        set_serving(ws.root, name, str(version))
+    try:
+        with catalog.transaction() as con:
+            approved = queue.approve(con, name, str(version), getpass.getuser())
+            if not approved:
+                raise DataError(f"version {version} of '{name}' answers no request in review; nothing to promote")
+            if purge:
+                queue.purge_text(con, approved)
+    except BaseException:
+        if str(version) != serving:
+            set_serving(ws.root, name, serving)
+        raise
+    if purge and runs and runs[0]["forget_digest"]:
+        dataset = dataset_path(ws.root / "lake", "forget", runs[0]["forget_digest"])
+        if dataset.is_file():
+            purge_forget_text(dataset, runs[0]["edit_id"], ws.root / "lake")
+    log.info("version %s of %s promoted after review; requests %s done", version, name, approved)
+    return {"version": str(version), "previous": parent, "done": approved, "model_name": name}
+
+
+def requeue_request(request_id: int, home: str | None = None) -> dict:
+    catalog = _catalog(Workspace.resolve(home))
+    queue.requeue(catalog, request_id)
+    return {"request_id": request_id, "status": queue.PENDING}
+
+
 def revert_version(version: str, *, model_name: str | None = None, home: str | None = None) -> dict:
     """Undo the edit of `version` (the version in service) bit for bit, register the restored weights as a new
     version, move the alias to it, and reopen the requests `version` answered."""

@@ -38,6 +38,11 @@ def _atomic_parquet(table: pa.Table, path: Path) -> Path:
     return path
 
 
+def dataset_path(root: Path, role: str, digest: str) -> Path:
+    """Where an ingested dataset lives in the lake (content-addressed)."""
+    return root / "datasets" / f"{role}-{digest[:24]}.parquet"
+
+
 def write_key_shard(root: Path, edit_id: str, record: SolveRecord) -> dict:
     """One module's forget keys as Parquet: example_id, position, token_id (the gold next token), module, key."""
     keys = record.keys.T.float().numpy()  # (s, n)

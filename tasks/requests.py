@@ -201,6 +201,17 @@ def finish(con, ids: list[int], *, status: str, version: str | None, edit_id: st
         _event(con, rid, status, detail[:500])
 
 
+def approve(con, model_name: str, version: str, who: str) -> list[int]:
+    """Requests in review that `version` answered become done: an operator promoted it despite its gates."""
+    ids = [r[0] for r in con.execute(
+        "SELECT request_id FROM requests WHERE model_name = ? AND model_version = ? AND status = ?",
+        [model_name, version, REVIEW]).fetchall()]
+    for rid in ids:
+        con.execute("UPDATE requests SET status = ?, updated_at = ? WHERE request_id = ?", [DONE, now(), rid])
+        _event(con, rid, DONE, f"version {version} promoted by {who} after review")
+    return sorted(ids)
+
+
 def reopen(con, model_name: str, version: str, why: str) -> list[int]:
     """Requests answered by `version` of `model_name` go back to reopened (their edit was reverted)."""
     ids = [r[0] for r in con.execute(
@@ -210,6 +221,20 @@ def reopen(con, model_name: str, version: str, why: str) -> list[int]:
         con.execute("UPDATE requests SET status = ?, updated_at = ? WHERE request_id = ?", [REOPENED, now(), rid])
         _event(con, rid, REOPENED, why)
     return sorted(ids)
+
+
+def requeue(catalog: Catalog, request_id: int) -> None:
+    """A request in review or reopened goes back to pending (its text must still be there)."""
+    request = get_request(catalog, request_id)
+    if request["status"] not in (REVIEW, REOPENED):
+        raise DataError(f"request {request_id} is {request['status']}; only requests in review or reopened can be "
+                        f"queued again")
+    if request["purged"]:
+        raise DataError(f"request {request_id}'s text was purged when it was done; add it again with its file "
+                        f"(`grom request add --forget FILE`)")
+    with catalog.transaction() as con:
+        con.execute("UPDATE requests SET status = ?, updated_at = ? WHERE request_id = ?", [PENDING, now(), request_id])
+        _event(con, request_id, PENDING, f"queued again (was {request['status']})")
 
 
 def batch_examples(catalog: Catalog, ids: list[int]) -> list[dict]:

@@ -72,8 +72,7 @@ def ingest(forget: str, retain: str, lake_root: str) -> dict:
     for role, rows, source in (("forget", forget_rows, forget), ("retain", kept, retain)):
         records = [_example_record(r) for r in rows]
         digest = data_digest(rows)
-        path = lake._atomic_parquet(pa.Table.from_pylist(records),
-                                    Path(lake_root) / "datasets" / f"{role}-{digest[:24]}.parquet")
+        path = lake._atomic_parquet(pa.Table.from_pylist(records), lake.dataset_path(Path(lake_root), role, digest))
         datasets[role] = {"role": role, "name": f"{role}:{Path(source).name}", "digest": digest, "path": str(path),
                           "source": str(source), "n": len(rows)}
         log.info("ingest: %s %d examples (digest %s)", role, len(rows), digest[:12])

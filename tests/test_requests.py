@@ -141,6 +141,8 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
     assert request_statuses(home) == {1: ("reopened", "2"), 2: ("reopened", "2")}
     by_edit = grom_json(capsys, monkeypatch, "audit", done["edit_id"], "--home", str(home))
     assert by_edit["model"]["reverted_by"] == ["3"]
+    code, out, err = grom(capsys, monkeypatch, "request", "requeue", "1", "--home", str(home))
+    assert code == 2 and "add it again with its file" in err
     # a reopened request may be submitted again (its text was purged, so it comes with its file)
     assert grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home",
                      str(home))["request_id"] == 3
@@ -157,6 +159,13 @@ def test_failing_gates_register_without_promotion(harness, trained_dir, data, tm
     request = queue.get_request(Catalog(home / "catalog.duckdb"), 1)
     assert request["status"] == "review" and request["review_reasons"] == done["reasons"]
     assert not request["purged"] and request["examples"][0]["question"] == FORGET[0].question
+    # a person reviews it and puts it in service anyway
+    promoted = grom_json(capsys, monkeypatch, "model", "promote", "--version", "2", "--home", str(home))
+    assert promoted["done"] == [1] and promoted["previous"] == "1" and serving_version(home, "svc") == "2"
+    request = queue.get_request(Catalog(home / "catalog.duckdb"), 1)
+    assert request["status"] == "done" and request["purged"] and request["examples"][0]["question"] is None
+    code, out, err = grom(capsys, monkeypatch, "model", "promote", "--version", "2", "--home", str(home))
+    assert code == 2 and "nothing to promote" in err and serving_version(home, "svc") == "2"
 
 
 def _claim_in_process(path, queue_out):
@@ -290,6 +299,8 @@ def test_bad_inputs_exit_with_one_line_and_change_nothing(harness, trained_dir, 
         (("request", "add", "--forget", data["req1"], *h), "duplicate request"),
         (("request", "add", "--forget", data["req2"], "--model-name", "nope", *h), "no model named 'nope'"),
         (("request", "show", "99", *h), "no deletion request 99"),
+        (("request", "requeue", "1", *h), "only requests in review or reopened"),
+        (("model", "promote", "--version", "1", *h), "already in service"),
         (("request", "list", "--status", "lost", *h), "unknown status"),
         (("audit", "99", *h), "no deletion request 99"),
         (("audit", "1", *h), "has not been processed yet"),
