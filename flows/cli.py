@@ -87,6 +87,9 @@ def _quantization_table(result: dict) -> Table | None:
 
 
 def _fmt(value) -> str:
+    """A table cell: 4 significant digits, and blank for a metric that does not apply (None)."""
+    if value is None:
+        return ""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -431,7 +434,7 @@ def request_list(
     for column in REQUEST_COLUMNS:
         table.add_column(column.replace("_", " "))
     for r in result["requests"]:
-        table.add_row(*["" if r.get(c) is None else _fmt(r[c])[:19] for c in REQUEST_COLUMNS])
+        table.add_row(*[_fmt(r.get(c))[:19] for c in REQUEST_COLUMNS])
     _emit(result, as_json, table)
 
 
