@@ -21,8 +21,8 @@ from grom_core.loading import check_model_dir
 from tasks import requests as queue
 from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
-from tasks.lake import _atomic_parquet, safe_name
-from tasks.steps import _example_record, load_for_edit
+from tasks.lake import atomic_parquet, safe_name
+from tasks.steps import example_record, load_for_edit
 from tasks.tracking import (
     Registration,
     delete_registration,
@@ -63,7 +63,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     digest = data_digest(rows)
     import pyarrow as pa
 
-    retain_path = _atomic_parquet(pa.Table.from_pylist(rows), ws.root / "lake" / "services" / safe_name(name) /
+    retain_path = atomic_parquet(pa.Table.from_pylist(rows), ws.root / "lake" / "services" / safe_name(name) /
                                   f"retain-{digest[:24]}.parquet")
     model_path = check_model_dir(model).resolve()
     loaded, _ = load_for_edit(str(model_path))
@@ -138,7 +138,7 @@ def add_request(forget: str, *, reason: str | None = None, requester: str | None
     catalog = _catalog(ws)
     service = queue.get_service(catalog, model_name)
     rows = read_examples(forget)
-    examples = [_example_record(r) for r in rows]
+    examples = [example_record(r) for r in rows]
     dataset = {"digest": data_digest(rows), "name": f"request:{Path(forget).name}", "role": "request",
                "source": str(forget), "examples": examples}
     request_id = queue.add_request(catalog, service.model_name, dataset, reason=reason, requester=requester)

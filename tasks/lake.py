@@ -30,7 +30,7 @@ def safe_name(text: str) -> str:
     return cleaned[:150] or "unnamed"
 
 
-def _atomic_parquet(table: pa.Table, path: Path) -> Path:
+def atomic_parquet(table: pa.Table, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
@@ -53,12 +53,12 @@ def write_key_shard(root: Path, edit_id: str, record: SolveRecord) -> dict:
         "module": pa.array([record.module] * keys.shape[0], pa.string()),
         "key": pa.array(keys.tolist(), pa.list_(pa.float32())),
     })
-    path = _atomic_parquet(table, root / "keys" / edit_id / f"{safe_name(record.module)}.parquet")
+    path = atomic_parquet(table, root / "keys" / edit_id / f"{safe_name(record.module)}.parquet")
     return {"module": record.module, "path": str(path), "n_rows": keys.shape[0], "dim": keys.shape[1]}
 
 
 def write_influence(root: Path, edit_id: str, rows: list[dict]) -> Path:
-    return _atomic_parquet(pa.Table.from_pylist(rows), root / "influence" / f"{edit_id}.parquet")
+    return atomic_parquet(pa.Table.from_pylist(rows), root / "influence" / f"{edit_id}.parquet")
 
 
 def stats_path(root: Path, fingerprint: str, retain_digest: str, module: str) -> Path:
@@ -107,8 +107,8 @@ def purge_forget_text(dataset_path: Path, edit_id: str, root: Path) -> None:
     sha256 column, and the key shards lose their gold token ids (which spell the answers); keys stay."""
     table = pq.read_table(dataset_path)
     kept = [c for c in table.column_names if c not in ("question", "answer", "text")]
-    _atomic_parquet(table.select(kept), dataset_path)
+    atomic_parquet(table.select(kept), dataset_path)
     for shard in (root / "keys" / edit_id).glob("*.parquet"):
         keys = pq.read_table(shard)
         if "token_id" in keys.column_names:
-            _atomic_parquet(keys.drop_columns(["token_id"]), shard)
+            atomic_parquet(keys.drop_columns(["token_id"]), shard)

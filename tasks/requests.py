@@ -201,26 +201,24 @@ def finish(con, ids: list[int], *, status: str, version: str | None, edit_id: st
         _event(con, rid, status, detail[:500])
 
 
+def _move(con, model_name: str, version: str, old: str, new: str, detail: str) -> list[int]:
+    """Every request of `model_name` answered by `version` and in status `old` goes to `new`; returns their ids."""
+    ids = sorted(r[0] for r in con.execute(
+        "UPDATE requests SET status = ?, updated_at = ? WHERE model_name = ? AND model_version = ? AND status = ? "
+        "RETURNING request_id", [new, now(), model_name, version, old]).fetchall())
+    for rid in ids:
+        _event(con, rid, new, detail)
+    return ids
+
+
 def approve(con, model_name: str, version: str, who: str) -> list[int]:
     """Requests in review that `version` answered become done: an operator promoted it despite its gates."""
-    ids = [r[0] for r in con.execute(
-        "SELECT request_id FROM requests WHERE model_name = ? AND model_version = ? AND status = ?",
-        [model_name, version, REVIEW]).fetchall()]
-    for rid in ids:
-        con.execute("UPDATE requests SET status = ?, updated_at = ? WHERE request_id = ?", [DONE, now(), rid])
-        _event(con, rid, DONE, f"version {version} promoted by {who} after review")
-    return sorted(ids)
+    return _move(con, model_name, version, REVIEW, DONE, f"version {version} promoted by {who} after review")
 
 
 def reopen(con, model_name: str, version: str, why: str) -> list[int]:
     """Requests answered by `version` of `model_name` go back to reopened (their edit was reverted)."""
-    ids = [r[0] for r in con.execute(
-        "SELECT request_id FROM requests WHERE model_name = ? AND model_version = ? AND status = ?",
-        [model_name, version, DONE]).fetchall()]
-    for rid in ids:
-        con.execute("UPDATE requests SET status = ?, updated_at = ? WHERE request_id = ?", [REOPENED, now(), rid])
-        _event(con, rid, REOPENED, why)
-    return sorted(ids)
+    return _move(con, model_name, version, DONE, REOPENED, why)
 
 
 def requeue(catalog: Catalog, request_id: int) -> None:

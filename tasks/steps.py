@@ -49,7 +49,7 @@ def params_from(manifest: dict) -> GromParams:
     return GromParams(**values)
 
 
-def _example_record(row: dict) -> dict:
+def example_record(row: dict) -> dict:
     content = row.get("text") if "text" in row else f"{row['question']}\n{row['answer']}"
     return {**row, "sha256": text_sha256(content)}
 
@@ -70,9 +70,9 @@ def ingest(forget: str, retain: str, lake_root: str) -> dict:
         raise DataError("no retain example is left once the forget examples are removed; give other retain data")
     datasets = {}
     for role, rows, source in (("forget", forget_rows, forget), ("retain", kept, retain)):
-        records = [_example_record(r) for r in rows]
+        records = [example_record(r) for r in rows]
         digest = data_digest(rows)
-        path = lake._atomic_parquet(pa.Table.from_pylist(records), lake.dataset_path(Path(lake_root), role, digest))
+        path = lake.atomic_parquet(pa.Table.from_pylist(records), lake.dataset_path(Path(lake_root), role, digest))
         datasets[role] = {"role": role, "name": f"{role}:{Path(source).name}", "digest": digest, "path": str(path),
                           "source": str(source), "n": len(rows)}
         log.info("ingest: %s %d examples (digest %s)", role, len(rows), digest[:12])
@@ -204,7 +204,7 @@ def influence_audit(solved: dict, stats: dict, base_fingerprint: str, data: dict
     grom = params_from(params)
     records = lake.load_records(Path(solved["records"]))
     gram = _load_stats(stats["paths"], base_fingerprint)
-    sha = [_example_record(r)["sha256"] for r in read_dataset(data["forget"])]
+    sha = [example_record(r)["sha256"] for r in read_dataset(data["forget"])]
     rows = []
     for name, rec in records.items():
         report = influence_report(rec.keys, rec.targets, gram[name].gram, rec.retain_count, rec.example_ids,
