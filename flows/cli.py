@@ -27,8 +27,13 @@ def _root() -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        # removed but not closed (which basicConfig(force=True) would do): a library's handler (absl's, added on
+        # import) may hold a stream that is not ours to close
+        root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)])
     logging.getLogger("grom").setLevel(logging.INFO)
     logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)

@@ -10,8 +10,12 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+# Prefect configures logging with dictConfig when its API is first imported, which closes every handler that
+# exists then. Imported here, before any test module is collected, it cannot close a handler that another library
+# (absl, which grom_core's metrics import) bound to one of pytest's capture files.
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from prefect import flow  # noqa: E402, F401
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from grom_core.benchmarks.authors import author_questions, make_authors, qa_pairs  # noqa: E402
