@@ -64,8 +64,14 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 def _interrupt(signum, frame) -> None:
-    """SIGTERM as Ctrl-C, so that `kill PID` also reaches the finally of `serve` and stops the server."""
+    """SIGTERM before the runner starts: unwind through the finally of `serve`, which stops the server."""
     raise KeyboardInterrupt
+
+
+def _ctrl_c(signum, frame) -> None:
+    """Ctrl-C as SIGTERM. Prefect's runner stops gracefully on SIGTERM (its own handler, once started), while a
+    SIGINT only cancels asyncio's main task, which the runner's task groups can swallow."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s: float | None = None,
@@ -76,12 +82,13 @@ def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s
     overlapping it (overlapping runs would be safe, as claims are atomic, but would only find nothing to do)."""
     ws = Workspace.resolve(home)
     configure_prefect(ws)
-    server = None
-    if not os.environ.get("PREFECT_API_URL"):
-        server = start_local_server(ws, port)
-        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _ctrl_c)
+    server = None
     try:
+        if not os.environ.get("PREFECT_API_URL"):
+            server = start_local_server(ws, port)
+            os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
         from flows.requests import process_deletion_requests
 
         quiet_prefect_tracebacks()

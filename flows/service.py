@@ -219,7 +219,7 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
         raise DataError(f"version {version} of '{name}' is a base model, not an edit: there is nothing to revert")
     parent = tags["parent_version"]
     parent_fingerprint = get_version(ws.root, name, parent).tags.get("fingerprint")
-    edit_dir = ws.edits / tags["edit_id"]
+    edit_dir = ws.edits / safe_name(tags["edit_id"])  # a tag is text anyone with registry access can set
     if not (edit_dir / "undo.safetensors").is_file():
         raise DataError(f"{edit_dir} has no undo.safetensors; the edit of version {version} cannot be reverted "
                         f"exactly from this workspace")
