@@ -22,7 +22,7 @@ from tasks import requests as queue
 from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
 from tasks.lake import atomic_parquet, safe_name
-from tasks.steps import example_record, load_for_edit
+from tasks.steps import example_record, load_for_edit, save_model
 from tasks.tracking import (
     Registration,
     delete_registration,
@@ -230,15 +230,7 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
     if parent_fingerprint and fingerprint != parent_fingerprint:
         raise DataError(f"reverting edit {edit.edit_id} gave weights {fingerprint[:12]}, not those of version "
                         f"{parent} ({parent_fingerprint[:12]}); the edit does not belong to that parent")
-    out = ws.models / f"restored-{edit.edit_id}"
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out = save_model(model, tokenizer, ws.models / f"restored-{edit.edit_id}")
     registration = register(ws.root, run_name=f"revert-{name}-v{version}", model_name=name,
                             params={"reverts": version, "edit_id": edit.edit_id}, metrics={}, datasets=[],
                             artifacts={}, model_dir=out,

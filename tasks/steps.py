@@ -184,17 +184,22 @@ def apply_and_save(model_dir: str, solved: dict, models_root: str) -> dict:
     model, tokenizer = load_for_edit(model_dir)
     edit = Edit.load(solved["edit_dir"])
     undo = edit.apply(model)
-    out = Path(models_root) / f"edited-{edit.edit_id}"
+    undo.save(Path(solved["edit_dir"]) / "undo.safetensors")
+    out = save_model(model, tokenizer, Path(models_root) / f"edited-{edit.edit_id}")
+    return {"model_dir": str(out), "edited_fingerprint": undo.post_fingerprint}
+
+
+def save_model(model, tokenizer, out: Path) -> Path:
+    """save_pretrained (safetensors) under a temporary name, then renamed: readers never see half a model."""
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    undo.save(Path(solved["edit_dir"]) / "undo.safetensors")
     if out.exists():
         import shutil
 
         shutil.rmtree(out)
     tmp.rename(out)
-    return {"model_dir": str(out), "edited_fingerprint": undo.post_fingerprint}
+    return out
 
 
 @task(name="influence-audit", cache_policy=NO_CACHE)
