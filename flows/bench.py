@@ -14,33 +14,53 @@ from pathlib import Path
 
 import torch
 
-from flows.evaluation import build_benchmark, evaluate_spec, reference_path
+from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
-from grom_core.data import make_batches
-from grom_core.gradient.trainer import TrainerParams, unlearn_gradient
+from grom_core.data import as_examples, make_batches
+from grom_core.gradient.methods import TrainerParams
 from grom_core.loading import load_model
+from grom_core.methods import DEFAULT_METHOD, Method, MethodContext, get_method
+from grom_core.params import Params
 from grom_core.profiling import measure
 from grom_core.quantization import quantized, quantizers
 from grom_core.solver import solve_edit
-from grom_core.statistics import accumulate
+from grom_core.statistics import MemoryStatsStore, accumulate
+from tasks.records import EvaluationSpec
+from tasks.steps import evaluate_loaded
 
 log = logging.getLogger("grom.bench")
 
 DEFAULT_METHODS = ("grom", "ga:sum", "npo:sum", "npo:sago", "simnpo:sum", "simnpo:sago")
-FLAT = ("forget_rougeL_recall", "forget_quality", "model_utility", "forget_probability", "retain_probability")
 
 
-def _evaluate(model, tokenizer, spec: dict, quants: dict) -> tuple[dict, dict]:
-    metrics = evaluate_spec(model, tokenizer, spec)
+def _evaluate(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: str) -> tuple[dict, dict]:
+    metrics = evaluate_loaded(model, tokenizer, spec)
     out = {}
     for name, q in quants.items():
         with quantized(model, q):
-            out[name] = evaluate_spec(model, tokenizer, spec)
-        out[name]["recovery_forget_rougeL_recall"] = out[name]["forget_rougeL_recall"] - metrics["forget_rougeL_recall"]
+            out[name] = evaluate_loaded(model, tokenizer, spec)
+        if isinstance(out[name].get(forget_key), float) and isinstance(metrics.get(forget_key), float):
+            out[name][f"recovery_{forget_key}"] = out[name][forget_key] - metrics[forget_key]
     return metrics, out
+
+
+def parse_entry(entry: str, trainer: TrainerParams, overrides: dict | None = None) -> tuple[Method, Params, str]:
+    """"method" or "method:compose" -> (registry entry, its parameters, the row label). `overrides`: the
+    benchmark's parameters per method name; gradient methods get the bench's recipe."""
+    name, _, compose = entry.partition(":")
+    method = get_method(name)
+    values = dict((overrides or {}).get(name, {}))
+    if compose:
+        values["compose"] = compose
+    if method.objective is not None:
+        values["trainer"] = trainer.to_dict()
+    params = method.params.from_dict(values)
+    if hasattr(params, "influence"):
+        params = params.replace(influence=False)
+    compose = getattr(params, "compose", None)
+    return method, params, name + (f"+{compose}" if compose else "")
 
 
 def key_extraction_throughput(model, batches, modules) -> dict:
@@ -76,81 +96,63 @@ def solve_scaling(sizes=(128, 256, 512, 1024, 2048), s: int = 256, m: int = 256)
 def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
               methods: tuple[str, ...] = DEFAULT_METHODS, quant_names: tuple[str, ...] = ("fp4", "nf4"),
               trainer: TrainerParams | None = None, authors: int | None = None) -> dict:
-    """Run `methods` ("grom" or "method:compose") on the benchmark's target model; returns the table as `rows`."""
+    """Run `methods` ("name" or "name:compose", names from the method registry) on the benchmark's target model;
+    returns the table as `rows`. A method that uses retain statistics is run twice: computing them, then with
+    them cached (`cached_stats`)."""
     trainer = trainer or TrainerParams()
-    ws = Workspace.resolve(home)
-    config = None
-    if authors is not None and benchmark == "minitofu":
-        from grom_core.benchmarks.minitofu import MiniTofuConfig
-
-        config = MiniTofuConfig(authors=authors)
-    built = build_benchmark(benchmark, None, str(ws.root), split, config=config)
     bench = get_benchmark(benchmark)
-    splits = built.load_splits()
-    forget, retain = bench.unlearning_inputs(splits, built.split)
-    spec = {"benchmark": benchmark, "split": built.split, "reference": str(reference_path(built)),
-            "splits": {k: str(v) for k, v in built.splits.items()}}
+    entries = [parse_entry(e, trainer, bench.method_params) for e in methods]  # all checked before any work
+    ws = Workspace.resolve(home)
+    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors))
+    forget, retain = built.unlearning_inputs()
+    spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
+                          splits={k: str(v) for k, v in built.splits.items()})
     available = quantizers()
     quants = {n: available[n] for n in quant_names if n in available}
     model, tokenizer = load_model(built.models["target"], device="cpu")
-    before, _ = _evaluate(model, tokenizer, spec, {})
+    before, _ = _evaluate(model, tokenizer, spec, {}, bench.metrics.forget)
     rows = []
-    grom_params = GromParams(**{**bench.grom_params, "influence": False})
-    for entry in methods:
-        method, _, compose = entry.partition(":")
-        if method == "grom":
-            with measure() as cold:
-                run = run_grom(model, tokenizer, forget, retain, grom_params)
+    for method, params, label in entries:
+        store = MemoryStatsStore()
+        context = MethodContext(stats_store=store)
+        with measure() as cost:
+            run = method.run(model, tokenizer, forget, retain, params, context)
+        costs = [(cost, False if run.retain_stats else None)]
+        if run.retain_stats:
             with measure() as warm:
-                cached = run_grom(model, tokenizer, forget, retain, grom_params, retain_stats=run.retain_stats)
-            edit = cached.edit
-            passes = 2 + 1 + (len(edit.modules) + 1)  # layer scores (forget, retain), retain stats, solve passes
-            with edit.applied(model):
-                metrics, qmetrics = _evaluate(model, tokenizer, spec, quants)
-            for cost, is_cached in ((cold, False), (warm, True)):
-                rows.append({"method": "grom", "compose": None, "cached_stats": is_cached, "seconds": cost.seconds,
-                             "modules": edit.modules,
-                             "peak_rss_mb": cost.peak_rss_mb, "steps": 0,
-                             "forward_passes": passes - (1 if is_cached else 0), "metrics": metrics,
-                             "quantized": qmetrics})
-        else:
-            with measure() as cost:
-                run = unlearn_gradient(model, tokenizer, forget, retain, method=method, compose=compose or "sum",
-                                       trainer=trainer)
-            with run.edit.applied(model):
-                metrics, qmetrics = _evaluate(model, tokenizer, spec, quants)
-            rows.append({"method": method, "compose": compose or "sum", "cached_stats": None,
-                         "seconds": cost.seconds, "peak_rss_mb": cost.peak_rss_mb, "steps": run.steps,
-                         "forward_passes": run.forward_passes, "metrics": metrics, "quantized": qmetrics})
-        log.info("bench %s: %.2f s, %s", entry, rows[-1]["seconds"],
-                 ", ".join(f"{k} {rows[-1]['metrics'][k]:.3g}" for k in FLAT if k in rows[-1]["metrics"]))
-    base = next((r["seconds"] for r in rows if r["method"] == "grom" and not r["cached_stats"]), None)
+                run = method.run(model, tokenizer, forget, retain, params, context)
+            costs.append((warm, True))
+        with run.edit.applied(model):
+            metrics, qmetrics = _evaluate(model, tokenizer, spec, quants, bench.metrics.forget)
+        for measured, cached in costs:
+            rows.append({"method": method.name, "label": label, "compose": getattr(params, "compose", None),
+                         "cached_stats": cached, "seconds": measured.seconds, "peak_rss_mb": measured.peak_rss_mb,
+                         "modules": run.edit.modules, "steps": run.steps, "forward_passes": run.forward_passes,
+                         "metrics": metrics, "quantized": qmetrics})
+        log.info("bench %s: %.2f s, %s", label, cost.seconds,
+                 ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table if isinstance(metrics.get(k), float)))
+    base = next((r["seconds"] for r in rows if r["method"] == DEFAULT_METHOD and not r["cached_stats"]), None)
     for row in rows:
         row["time_ratio_to_closed_form"] = row["seconds"] / base if base else None
-    forget_batches = make_batches(tokenizer, [_as_example(r) for r in forget], 16)
-    edited = next((r["modules"] for r in rows if r.get("modules")), None)
-    modules = [m for m in (edited or []) if m != "lm_head"] or [ModelAdapter.for_model(model).down_proj_names[-1]]
-    throughput = key_extraction_throughput(model, make_batches(tokenizer, [_as_example(r) for r in retain], 16),
-                                           modules)
+    forget_batches = make_batches(tokenizer, as_examples(forget), 16)
+    edited = next((r["modules"] for r in rows if r["cached_stats"] is not None), None)
+    adapter = ModelAdapter.for_model(model)
+    modules = [m for m in (edited or []) if m != adapter.lm_head_name] or [adapter.down_proj_names[-1]]
+    throughput = key_extraction_throughput(model, make_batches(tokenizer, as_examples(retain), 16), modules)
     result = {"benchmark": benchmark, "split": built.split, "before": before, "rows": rows,
-              "throughput": throughput, "solve_scaling": solve_scaling(),
+              "columns": list(bench.metrics.table[:3]), "throughput": throughput, "solve_scaling": solve_scaling(),
               "forward_pass_floor": {"forget_tokens": sum(int(b.attention_mask.sum()) for b in forget_batches),
                                      "note": "one forward pass over the forget tokens is the least any method needs"},
-              "quantizers": list(quants), "trainer": trainer.__dict__}
+              "quantizers": list(quants), "trainer": trainer.to_dict()}
     plot = ws.root / "bench" / f"pareto-{benchmark}-{built.split}.png"
-    result["plot"] = str(pareto_plot(rows, plot))
+    result["plot"] = str(pareto_plot(rows, plot, bench.metrics.utility, bench.metrics.forget))
     result["mlflow"] = log_bench(ws.root, result)
     return result
 
 
-def _as_example(row: dict):
-    from grom_core.data import as_examples
-
-    return as_examples([row])[0]
-
-
-def pareto_plot(rows: list[dict], path: Path) -> Path:
-    """Forget Quality (log) against Model Utility, marker area by unlearning time."""
+def pareto_plot(rows: list[dict], path: Path, utility: str, forget: str) -> Path:
+    """The headline forget metric against the utility metric, marker area by unlearning time (the first,
+    statistics-computing run of each method)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,15 +161,12 @@ def pareto_plot(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     longest = max(r["seconds"] for r in rows) or 1.0
     for row in rows:
-        if row["method"] == "grom" and row["cached_stats"]:
+        if row["cached_stats"]:
             continue
-        fq = row["metrics"].get("forget_quality") or 1e-30
-        label = row["method"] + (f"+{row['compose']}" if row["compose"] else "")
-        ax.scatter(row["metrics"].get("model_utility", 0), fq, s=40 + 400 * row["seconds"] / longest, alpha=0.6,
-                   label=f"{label} ({row['seconds']:.1f} s)")
-    ax.set_yscale("log")
-    ax.set_xlabel("Model Utility")
-    ax.set_ylabel("Forget Quality (KS p-value)")
+        ax.scatter(row["metrics"].get(utility) or 0.0, row["metrics"].get(forget) or 0.0,
+                   s=40 + 400 * row["seconds"] / longest, alpha=0.6, label=f"{row['label']} ({row['seconds']:.1f} s)")
+    ax.set_xlabel(f"{utility} (higher is better)")
+    ax.set_ylabel(f"{forget} (lower is more forgotten)")
     ax.set_title("Unlearning methods: marker size = unlearning time")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -191,8 +190,7 @@ def log_bench(root: Path, result: dict) -> dict:
         mlflow.log_artifact(result["plot"], artifact_path="plots")
         children = []
         for row in result["rows"]:
-            name = row["method"] + (f"+{row['compose']}" if row["compose"] else "")
-            name += "-cached" if row["cached_stats"] else ""
+            name = row["label"] + ("-cached" if row["cached_stats"] else "")
             with mlflow.start_run(run_name=name, nested=True) as child:
                 mlflow.log_params({"method": row["method"], "compose": row["compose"],
                                    "cached_stats": row["cached_stats"]})

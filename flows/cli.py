@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from grom_core.errors import GromError
+from flows.runtime import configure_process
+from grom_core.errors import DataError, GromError
+from grom_core.methods import DEFAULT_METHOD, METHODS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Retraining-free unlearning: a closed-form edit with exact per-example influence.")
@@ -65,8 +67,8 @@ def _before_after_table(result: dict) -> Table:
     table = _metrics_table(f"{result['method']} edit {result['edit_id']}{where}", result["metrics"]["before"],
                            result["metrics"]["after"])
     t, u = result["timings_s"], result["unlearning"]
-    how = (f"retain statistics {'cached' if result.get('cached_stats') else 'computed'}" if result["method"] == "grom"
-           else f"{u['steps']} optimizer steps, {result['compose']}")
+    how = (f"retain statistics {'cached' if result['cached_stats'] else 'computed'}"
+           if result.get("cached_stats") is not None else f"{u['steps']} optimizer steps, {result['compose']}")
     table.caption = (f"unlearning {t['unlearning']:.2f} s ({how}), total {t['total']:.1f} s, peak RSS "
                      f"{result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
                      f"v{result['mlflow']['version']}")
@@ -99,29 +101,50 @@ def _fmt(value) -> str:
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
-MethodOpt = Annotated[str, typer.Option(help="grom, or a gradient method: ga, graddiff, npo, simnpo, idkdpo.")]
-ComposeOpt = Annotated[str | None, typer.Option(help="Gradient composition: sum, pcgrad or sago.")]
+MethodOpt = Annotated[str, typer.Option(help="Unlearning method: " + "; ".join(
+    f"{m.name} ({m.summary})" for m in METHODS.values()) + ".")]
+ComposeOpt = Annotated[str | None, typer.Option(help="Gradient composition of a gradient method: sum, pcgrad or sago "
+                                                     "(sets its `compose` parameter).")]
+ParamsOpt = Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 60}; unknown '
+                                                    'names and wrong types are refused before any work.')]
+
+
+def _method_params(params: str | None, compose: str | None = None, layers: str | None = None) -> dict:
+    """--params JSON, with --compose and --layers folded in (the method's dataclass checks them all)."""
+    values = _json_option(params, "--params")
+    if compose is not None:
+        values["compose"] = compose
+    if layers:
+        try:
+            values["layers"] = [int(x) for x in layers.split(",") if x.strip()]
+        except ValueError as exc:
+            raise DataError(f"--layers must be comma-separated integers, got '{layers}'") from exc
+    return values
 DaskOpt = Annotated[str | None, typer.Option(help="Existing Dask scheduler, e.g. tcp://host:8786.")]
 
 
 @app.command()
 def demo(
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
-    split: Annotated[str, typer.Option(help="minitofu forget split.")] = "forget10",
+    benchmark: Annotated[str, typer.Option(help="Benchmark to build and unlearn.")] = "minitofu",
+    split: Annotated[str | None, typer.Option(help="Forget split (default: the benchmark's, forget10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
-    method: MethodOpt = "grom",
+    method: MethodOpt = DEFAULT_METHOD,
     compose: ComposeOpt = None,
+    params: ParamsOpt = None,
     quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = True,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
-    """Build minitofu (cached), unlearn its forget split with GROM through the whole flow, show before/after."""
+    """Build a benchmark (minitofu; models cached), unlearn its forget split through the whole flow (GROM by
+    default), show before/after."""
     from flows.demo import run_demo
 
     _setup_logging(True)
-    result = run_demo(home=home, split=split, workers=workers, dask_address=dask_address, authors=authors,
-                      method=method, compose=compose, quantization=quantization)
+    result = run_demo(home=home, benchmark=benchmark, split=split, workers=workers, dask_address=dask_address,
+                      authors=authors, method=method, params=_method_params(params, compose),
+                      quantization=quantization)
     _emit(result, as_json, _before_after_table(result), _quantization_table(result))
 
 
@@ -131,8 +154,9 @@ def unlearn(
                                             "or models:/NAME@serving from the workspace's registry.")],
     forget: Annotated[str, typer.Option(help="Forget data: JSON, JSONL, Parquet or CSV.")],
     retain: Annotated[str, typer.Option(help="Retain data, same formats.")],
-    method: MethodOpt = "grom",
+    method: MethodOpt = DEFAULT_METHOD,
     compose: ComposeOpt = None,
+    params: ParamsOpt = None,
     layers: Annotated[str | None, typer.Option(help="Comma-separated layers to edit (default: automatic).")] = None,
     model_name: Annotated[str | None, typer.Option(help="Registered model name in MLflow.")] = None,
     quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = False,
@@ -143,17 +167,11 @@ def unlearn(
 ) -> None:
     """Unlearn your own forget data from your own model, keeping the retain data, and register the result."""
     from flows.demo import run_unlearn
-    from grom_core.errors import DataError
 
-    params = {}
-    if layers:
-        try:
-            params["layers"] = [int(x) for x in layers.split(",") if x.strip()]
-        except ValueError as exc:
-            raise DataError(f"--layers must be comma-separated integers, got '{layers}'") from exc
+    values = _method_params(params, compose, layers)
     _setup_logging(True)
-    result = run_unlearn(model, forget, retain, home=home, params=params, model_name=model_name, workers=workers,
-                         dask_address=dask_address, method=method, compose=compose, quantization=quantization)
+    result = run_unlearn(model, forget, retain, home=home, params=values, model_name=model_name, workers=workers,
+                         dask_address=dask_address, method=method, quantization=quantization)
     _emit(result, as_json, _before_after_table(result), _quantization_table(result))
 
 
@@ -274,8 +292,9 @@ def tofu_score(
 def bench(
     benchmark: Annotated[str, typer.Option(help="Shipped benchmark.")] = "minitofu",
     split: Annotated[str | None, typer.Option(help="Forget split.")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list.")] = ",".join(
-        ("grom", "ga:sum", "npo:sum", "npo:sago", "simnpo:sum", "simnpo:sago")),
+    methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list; methods: " +
+                                              ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
+                                                                            "simnpo:sum,simnpo:sago"),
     quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, fp4_head_kept.")] = "fp4,nf4",
     epochs: Annotated[int, typer.Option(min=1, help="Epochs of the gradient methods (TOFU recipe: 10).")] = 10,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
@@ -284,25 +303,23 @@ def bench(
 ) -> None:
     """Every method side by side on one target model: time, memory, quality, and quality after quantization."""
     from flows.bench import run_bench
-    from grom_core.gradient.trainer import TrainerParams
+    from grom_core.gradient.methods import TrainerParams
 
     _setup_logging(True)
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
                        tuple(q.strip() for q in quantizers.split(",") if q.strip()), TrainerParams(epochs=epochs),
                        authors=authors)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
-    quants = result["quantizers"]
-    for column in ("method", "cached", "seconds", "x closed form", "peak MB", "forget ROUGE-L", "FQ", "MU",
-                   *[f"{q} {k}" for q in quants for k in ("ROUGE-L", "FQ", "MU")]):
+    quants, columns = result["quantizers"], result["columns"]
+    for column in ("method", "cached", "seconds", "x closed form", "peak MB", *columns,
+                   *[f"{q} {k}" for q in quants for k in columns]):
         table.add_column(column)
     for row in result["rows"]:
-        m = row["metrics"]
-        cells = [row["method"] + (f"+{row['compose']}" if row["compose"] else ""), str(row["cached_stats"]),
-                 f"{row['seconds']:.2f}", _fmt(row["time_ratio_to_closed_form"]), f"{row['peak_rss_mb']:.0f}",
-                 _fmt(m.get("forget_rougeL_recall")), _fmt(m.get("forget_quality")), _fmt(m.get("model_utility"))]
+        cells = [row["label"], _fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
+                 _fmt(row["time_ratio_to_closed_form"]), f"{row['peak_rss_mb']:.0f}",
+                 *[_fmt(row["metrics"].get(k)) for k in columns]]
         for q in quants:
-            qm = row["quantized"].get(q, {})
-            cells += [_fmt(qm.get(k)) for k in ("forget_rougeL_recall", "forget_quality", "model_utility")]
+            cells += [_fmt(row["quantized"].get(q, {}).get(k)) for k in columns]
         table.add_row(*cells)
     t = result["throughput"]
     table.caption = (f"key extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: "
@@ -358,8 +375,6 @@ def model_register(
 
 
 def _json_option(text: str | None, option: str) -> dict:
-    from grom_core.errors import DataError
-
     if not text:
         return {}
     try:
@@ -479,16 +494,15 @@ def request_process(
     as_json: JsonOpt = False,
 ) -> None:
     """Claim the pending requests, unlearn them in one edit of the version in service, gate, register, promote."""
-    from flows.runtime import configure_prefect, quiet_prefect_tracebacks
+    from flows.runtime import prefect_environment
     from flows.workspace import Workspace
 
     _setup_logging(True)
     ws = Workspace.resolve(home)
-    configure_prefect(ws)
-    from flows.requests import process_deletion_requests
+    with prefect_environment(ws):
+        from flows.requests import process_deletion_requests
 
-    quiet_prefect_tracebacks()
-    result = process_deletion_requests(home=str(ws.root), model_name=model_name, purge=purge)
+        result = process_deletion_requests(home=str(ws.root), model_name=model_name, purge=purge)
     table = Table(title=f"processed requests {result['processed']}")
     _key_values(table, {k: v for k, v in result.items() if k != "metrics"})
     tables = [table]
@@ -553,6 +567,7 @@ def serve(
 
 def main() -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2, never a traceback."""
+    configure_process()
     try:
         app()
     except GromError as exc:

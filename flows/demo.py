@@ -1,78 +1,65 @@
-"""`grom demo`: build minitofu (models cached), run the unlearning flow on forget10, show before and after."""
+"""`grom demo` (build a benchmark, models cached, and run the unlearning flow on its forget split) and `grom
+unlearn` (the flow on the user's own model and data), with the checks that run before any work."""
 
 from __future__ import annotations
 
 import json
 import logging
 
-from flows.evaluation import build_benchmark, reference_path
-from flows.runtime import configure_prefect, quiet_prefect_tracebacks
+from flows.evaluation import build_benchmark, reference_path, sized_config
+from flows.runtime import prefect_environment
 from flows.workspace import Workspace
 from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
-from grom_core.benchmarks.minitofu import RETAIN_OF
+from grom_core.benchmarks.registry import check_split, get_benchmark
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.loading import check_model_dir
+from grom_core.methods import DEFAULT_METHOD, method_params
 from tasks.datafiles import read_examples
+from tasks.records import EvaluationSpec
 
 log = logging.getLogger("grom.demo")
 
 
-def run_demo(home: str | None = None, split: str = "forget10", params: dict | None = None, workers: int = 0,
-             dask_address: str | None = None, authors: int | None = None, method: str = "grom",
-             compose: str | None = None, quantization: bool = True) -> dict:
-    """The README's main job. `authors` shrinks minitofu (default 50 authors) for quick runs and tests."""
+def run_demo(home: str | None = None, split: str | None = None, params: dict | None = None, workers: int = 0,
+             dask_address: str | None = None, authors: int | None = None, method: str = DEFAULT_METHOD,
+             quantization: bool = True, benchmark: str = "minitofu", config: object | None = None) -> dict:
+    """The README's main job: build a benchmark of the registry (models cached), unlearn its forget split through
+    the whole flow. `authors` shrinks it (minitofu: default 50 authors) for quick runs and tests; `config` gives
+    its whole configuration instead."""
     ws = Workspace.resolve(home)
-    configure_prefect(ws)
-    config = None
-    if authors is not None:
-        from grom_core.benchmarks.minitofu import MiniTofuConfig
+    bench = get_benchmark(benchmark)
+    params = {**bench.method_params.get(method, {}), **(params or {})}
+    method_params(method, params)  # checked before anything is built
+    check_split(bench, split)
+    built = build_benchmark(benchmark, None, str(ws.root), split, config=config or sized_config(benchmark, authors))
+    spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
+                          splits={k: str(v) for k, v in built.splits.items()})
+    forget, retain = built.unlearning_files()
+    with prefect_environment(ws):
+        from flows.unlearn import unlearn
 
-        config = MiniTofuConfig(authors=authors)
-    built = build_benchmark("minitofu", None, str(ws.root), split, config=config)
-    from flows.unlearn import unlearn
-    from grom_core.benchmarks.registry import get_benchmark
-
-    quiet_prefect_tracebacks()
-    check_method(method, compose)
-    if method == "grom":
-        params = {**get_benchmark("minitofu").grom_params, **(params or {})}
-    retain_split = RETAIN_OF[built.split]
-    spec = {"benchmark": "minitofu", "split": built.split, "reference": str(reference_path(built)),
-            "splits": {k: str(built.splits[k]) for k in (built.split, "retain_eval", "real_authors", "world_facts")}}
-    return unlearn(model=str(built.models["target"]), forget=str(built.splits[built.split]),
-                   retain=str(built.splits[retain_split]), home=str(ws.root), params=params, benchmark=spec,
-                   workers=workers, dask_address=dask_address, method=method, compose=compose,
-                   quantization=quantization)
+        return unlearn(model=str(built.models["target"]), forget=str(forget), retain=str(retain),
+                       home=str(ws.root), method=method, params=params, evaluation=spec, workers=workers,
+                       dask_address=dask_address, quantization=quantization)
 
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
-                method: str = "grom", compose: str | None = None, quantization: bool = False) -> dict:
-    from tasks.tracking import resolve_model
+                method: str = DEFAULT_METHOD, quantization: bool = False) -> dict:
+    from tasks.tracking import check_model_name, resolve_model
 
     ws = Workspace.resolve(home)
-    check_method(method, compose)
+    method_params(method, params)
+    if model_name is not None:
+        check_model_name(model_name)
     model = resolve_model(ws.root, model)
     preflight(model, forget, retain, params or {})
-    configure_prefect(ws)
-    from flows.unlearn import unlearn
+    with prefect_environment(ws):
+        from flows.unlearn import unlearn
 
-    quiet_prefect_tracebacks()
-    return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), params=params,
-                   model_name=model_name, workers=workers, dask_address=dask_address, method=method,
-                   compose=compose, quantization=quantization)
-
-
-def check_method(method: str, compose: str | None) -> None:
-    from grom_core.gradient.composition import COMPOSERS
-    from grom_core.gradient.methods import METHODS
-
-    if method != "grom" and method not in METHODS:
-        raise DataError(f"unknown method '{method}'; choose grom or one of {', '.join(sorted(METHODS))}")
-    if compose is not None and method == "grom":
-        raise DataError("--compose applies to gradient methods only; the closed form has nothing to compose")
-    if compose is not None and compose not in COMPOSERS:
-        raise DataError(f"unknown composer '{compose}'; choose one of {', '.join(sorted(COMPOSERS))}")
+        return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), method=method,
+                       params=params, model_name=model_name, workers=workers, dask_address=dask_address,
+                       quantization=quantization)
 
 
 def preflight(model: str, forget: str, retain: str, params: dict) -> None:

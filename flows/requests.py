@@ -5,8 +5,6 @@ requests done or for review, in one catalog transaction -> purge their raw text.
 Crash safety: the catalog transaction is the commit point. A version registered by a run that died before it
 (MLflow has it, the catalog does not) is an orphan: the next run moves the alias back and deletes it, and takes
 the dead run's claims back, so a request is applied exactly once, by the version that answers it.
-
-Import this module only after `flows.runtime.configure_prefect` has set Prefect's environment.
 """
 
 from __future__ import annotations
@@ -18,17 +16,19 @@ import uuid
 from pathlib import Path
 
 from prefect import flow
+from prefect.transactions import transaction
 
-from flows.unlearn import Stages, catalog_rows, compute, register_outcome
+from flows.unlearn import commit, compute, register_outcome, run_timings
 from flows.workspace import Workspace
 from grom_core.errors import DataError, FingerprintMismatchError
 from grom_core.gates import Gates
+from grom_core.methods import DEFAULT_METHOD
+from grom_core.profiling import Timings
 from tasks import requests as queue
-from tasks.catalog import Catalog, now, record_run
+from tasks.catalog import Catalog, now
 from tasks.lake import purge_forget_text
 from tasks.tracking import (
     client,
-    delete_registration,
     get_version,
     serving_version,
     set_serving,
@@ -76,60 +76,69 @@ def process_deletion_requests(home: str | None = None, model_name: str | None = 
 
 def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[int], owner: str, batch: Path,
             purge: bool) -> dict:
-    name, started, stages = service.model_name, now(), Stages()
+    name, started, timings = service.model_name, now(), Timings(log)
     parent = serving_version(ws.root, name)
     if parent is None:
         raise DataError(f"'{name}' has no version in service (alias 'serving'); register one with "
                         f"`grom model register` or revert to one with `grom revert`")
-    parent_tags = get_version(ws.root, name, parent).tags
     model_dir = version_model_dir(ws.root, name, parent)
+    check_version_weights(ws.root, name, parent, model_dir)  # before any work: a changed folder costs nothing
     batch.parent.mkdir(parents=True, exist_ok=True)
     batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
     evaluation = dict(service.evaluation)
     quantizers = evaluation.pop("quantizers", None)
-    out = compute(stages, ws, model=str(model_dir), forget=str(batch), retain=service.retain_path, method="grom",
-                  params=service.params, compose=None, trainer={}, workers=0, dask_address=None, benchmark=None,
-                  quantization=True, quantizers=quantizers, evaluation=evaluation)
-    if parent_tags.get("fingerprint") and out["solved"]["fingerprint"] != parent_tags["fingerprint"]:
-        raise FingerprintMismatchError(f"the weights in {model_dir} are not those registered as version {parent} "
-                                       f"of '{name}'; restore the folder or register the model again")
-    reasons = Gates.from_dict(service.gates).check(out["before"], out["after"], out["quantized"])
+    outcome = compute(timings, ws, model=str(model_dir), forget=str(batch), retain=service.retain_path,
+                      method=DEFAULT_METHOD, params=service.params, evaluation=None, quantizers=quantizers,
+                      max_examples=evaluation.get("max_examples", 200))
+    reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized)
     promoted = not reasons
     tags = {"grom.kind": "request", "grom.owner": owner, "parent_version": parent, "promoted": str(promoted).lower(),
             "request_ids": ",".join(map(str, ids))}
-    registration = register_outcome(stages, ws, out, name=name, tags=tags)
     status = queue.DONE if promoted else queue.REVIEW
-    timings = {**stages.timings, "total": time.perf_counter() - stages.start}
-    rows = catalog_rows(out, registration, flow="process-deletion-requests", started=started, timings=timings,
-                        extra_metrics={"gates": {"passed": promoted, "reasons": reasons, "thresholds": service.gates},
-                                       "parent_version": parent, "request_ids": ids})
+    edit_id = outcome.unlearned.edit_id
     purged = 0
 
     def answer(con) -> None:
         nonlocal purged
-        queue.finish(con, ids, status=status, version=registration.version, edit_id=out["solved"]["edit_id"],
+        queue.finish(con, ids, status=status, version=registration.version, edit_id=edit_id,
                      run_id=registration.run_id, reasons=reasons)
         if promoted and purge:
             purged = queue.purge_text(con, ids)
 
-    try:
+    with transaction():  # a failure in here deletes the version and moves the alias back (rollback hooks)
+        registration = timings.run("register", register_outcome, ws, outcome, name=name, tags=tags,
+                                   timings=timings.seconds)
         if promoted:
             set_serving(ws.root, name, registration.version)
-        record_run(catalog, rows, also=answer)
-    except BaseException:
-        if promoted:
-            set_serving(ws.root, name, parent)
-        delete_registration(ws.root, registration)
-        raise
+        stage_timings = run_timings(timings, outcome)
+        rows = outcome.catalog_rows(registration, flow="process-deletion-requests", started=started,
+                                    timings=stage_timings,
+                                    extra_metrics={"gates": {"passed": promoted, "reasons": reasons,
+                                                             "thresholds": service.gates},
+                                                   "parent_version": parent, "request_ids": ids})
+        commit(ws, rows, also=answer)
     if promoted and purge:
-        purge_forget_text(Path(out["data"]["forget"]["path"]), out["solved"]["edit_id"], ws.root / "lake")
+        purge_forget_text(Path(outcome.ingested.forget.path), edit_id, ws.root / "lake")
     log.info("requests %s -> %s version %s (%s)%s", ids, name, registration.version,
              "promoted" if promoted else "not promoted", f": {'; '.join(reasons)}" if reasons else "")
     return {"processed": ids, "version": registration.version, "promoted": promoted, "reasons": reasons,
-            "status": status, "parent_version": parent, "edit_id": out["solved"]["edit_id"], "model_name": name,
-            "metrics": {"before": out["before"], "after": out["after"], "quantized": out["quantized"]},
-            "purged_examples": purged, "model_dir": out["edited"]["model_dir"],
-            "seconds": time.perf_counter() - stages.start}
+            "status": status, "parent_version": parent, "edit_id": edit_id, "model_name": name,
+            "metrics": outcome.metrics(), "purged_examples": purged, "model_dir": outcome.edited.model_dir,
+            "seconds": timings.total()}
+
+
+def check_version_weights(root: Path, name: str, version: str, model_dir: Path) -> None:
+    """The weights in `model_dir` are those registered as `version` (its fingerprint tag), or a clear error."""
+    expected = get_version(root, name, version).tags.get("fingerprint")
+    if not expected:
+        return
+    from grom_core.fingerprint import weights_fingerprint
+    from tasks.steps import load_for_edit
+
+    model, _ = load_for_edit(str(model_dir))
+    if weights_fingerprint(model) != expected:
+        raise FingerprintMismatchError(f"the weights in {model_dir} are not those registered as version {version} "
+                                       f"of '{name}'; restore the folder or register the model again")
 
 
 def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float) -> list[str]:

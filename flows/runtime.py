@@ -1,27 +1,62 @@
-"""Prefect's environment for the embedded default: a temporary local server, state under the workspace.
+"""The process and Prefect settings grom runs under.
 
-Prefect reads its settings when it is imported, so `configure_prefect` runs before any module importing prefect.
-With PREFECT_API_URL set (a real server), that server is used instead and nothing here overrides it.
+`configure_process` (called first thing by `grom`'s `main()`) sets what does not depend on the workspace: no
+telemetry, no network for Hugging Face, a generous start-up timeout for Prefect's temporary server. Variables the
+user set are left alone.
+
+`prefect_environment(ws)` applies the workspace's Prefect settings (its home under the workspace) with Prefect's
+own `temporary_settings`, around a flow call: which module imported Prefect first does not matter. With
+PREFECT_API_URL set (a real server) that server is used, and a PREFECT_HOME the user set is kept.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flows.workspace import Workspace
 
-
-def configure_prefect(ws: Workspace) -> None:
-    os.environ.setdefault("PREFECT_HOME", str(ws.root / "prefect"))
+PROCESS_DEFAULTS = {
     # a temporary server takes 15-25 s to start on 2 cores; the default timeout of 20 s is too tight
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")
-    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LOG_PRINTS": "false",
+    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ENABLE_TELEMETRY": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def configure_process() -> None:
+    """Process-wide defaults (see PROCESS_DEFAULTS); the user's own environment wins."""
+    for key, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def prefect_home(ws: Workspace) -> dict[str, str]:
+    """PREFECT_HOME for this workspace, unless the user set one."""
+    return {} if "PREFECT_HOME" in os.environ else {"PREFECT_HOME": str(ws.root / "prefect")}
+
+
+@contextmanager
+def prefect_environment(ws: Workspace, api_url: str | None = None) -> Iterator[None]:
+    """Prefect settings for flow runs of this workspace, for the duration of the block; `api_url` points the runs
+    at a server (default: PREFECT_API_URL if set, else a temporary local server)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    updates = {}
+    if "PREFECT_HOME" in prefect_home(ws):
+        updates[PREFECT_HOME] = prefect_home(ws)["PREFECT_HOME"]
+    if api_url:
+        updates[PREFECT_API_URL] = api_url
+    with temporary_settings(updates=updates):
+        quiet_prefect_tracebacks()
+        yield
 
 
 class _NoTraceback:
@@ -36,9 +71,12 @@ class _NoTraceback:
         return True
 
 
-def quiet_prefect_tracebacks() -> None:
-    """Call after prefect is imported (it configures its loggers on import)."""
-    import logging
+_FILTER = _NoTraceback()
 
+
+def quiet_prefect_tracebacks() -> None:
+    """Attach the filter to Prefect's run loggers (once; Prefect configures its loggers when imported)."""
     for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
-        logging.getLogger(name).addFilter(_NoTraceback())
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)

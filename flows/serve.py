@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from flows.runtime import configure_prefect, quiet_prefect_tracebacks
+from flows.runtime import prefect_environment, prefect_home
 from flows.workspace import Workspace
 from grom_core.errors import GromError
 
@@ -26,15 +26,16 @@ DEPLOYMENT = "process-deletion-requests"
 
 
 def start_local_server(ws: Workspace, port: int, timeout_s: float = 180) -> subprocess.Popen:
-    """Start `prefect server start` on 127.0.0.1:`port` and wait until its health endpoint answers."""
+    """Start `prefect server start` on 127.0.0.1:`port` (its database under the workspace) and wait until its
+    health endpoint answers."""
     logfile = ws.root / "prefect" / "server.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
     prefect = Path(sys.executable).with_name("prefect")
     command = [str(prefect) if prefect.exists() else "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port)]
     with logfile.open("ab") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy(),
-                                  start_new_session=True)
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **prefect_home(ws)}, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -81,21 +82,21 @@ def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s
     One run at a time (`limit=1`): a run that lasts longer than the interval delays the next one instead of
     overlapping it (overlapping runs would be safe, as claims are atomic, but would only find nothing to do)."""
     ws = Workspace.resolve(home)
-    configure_prefect(ws)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _ctrl_c)
-    server = None
+    server, api_url = None, os.environ.get("PREFECT_API_URL")
     try:
-        if not os.environ.get("PREFECT_API_URL"):
+        if not api_url:
             server = start_local_server(ws, port)
-            os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+            api_url = f"http://127.0.0.1:{port}/api"
         from flows.requests import process_deletion_requests
 
-        quiet_prefect_tracebacks()
         schedule = {"interval": interval_s} if interval_s else {"cron": cron}
         log.info("serving %s (%s) for workspace %s; stop with Ctrl-C", DEPLOYMENT, schedule, ws.root)
-        process_deletion_requests.serve(name=DEPLOYMENT, parameters={"home": str(ws.root), "model_name": model_name},
-                                        pause_on_shutdown=False, limit=1, **schedule)
+        with prefect_environment(ws, api_url=api_url):
+            process_deletion_requests.serve(name=DEPLOYMENT, limit=1, pause_on_shutdown=False,
+                                            parameters={"home": str(ws.root), "model_name": model_name},
+                                            **schedule)
     except KeyboardInterrupt:
         log.info("stopping")
     finally:

@@ -11,21 +11,24 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from prefect.transactions import transaction
+
 from flows.workspace import Workspace
-from grom_core.closed_form import GromParams
 from grom_core.edit import Edit, Undo
 from grom_core.errors import DataError
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.gates import Gates
 from grom_core.loading import check_model_dir
+from grom_core.methods import DEFAULT_METHOD, method_params
 from tasks import requests as queue
 from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
 from tasks.lake import atomic_parquet, safe_name
-from tasks.steps import example_record, load_for_edit, save_model
+from tasks.records import with_sha256
+from tasks.steps import load_for_edit, save_model
 from tasks.tracking import (
     Registration,
-    delete_registration,
+    check_model_name,
     get_version,
     register,
     serving_version,
@@ -53,11 +56,10 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     from flows.demo import preflight
 
     preflight(model, retain, retain, params or {})
-    params = asdict(GromParams(**{k: tuple(v) if k == "layers" and v is not None else v
-                                  for k, v in (params or {}).items()}))
+    params = method_params(DEFAULT_METHOD, params).to_dict()
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
-    name = name or f"grom-{safe_name(Path(model).resolve().name)}"
+    name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
     catalog = _catalog(ws)
     rows = read_examples(retain)
     digest = data_digest(rows)
@@ -69,25 +71,20 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     loaded, _ = load_for_edit(str(model_path))
     fingerprint = weights_fingerprint(loaded)
     del loaded
-    registration = register(ws.root, run_name=f"register-{name}", model_name=name,
-                            params={"model_dir": str(model_path), "retain": str(retain)}, metrics={}, datasets=[],
-                            artifacts={}, model_dir=model_path,
-                            tags={"grom.kind": "base", "grom.owner": queue.claim_owner(), "fingerprint": fingerprint,
-                                  "model_dir": str(model_path)})
     previous = serving_version(ws.root, name)
     promoted = previous is None
-    service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest,
-                            params=_jsonable(params), gates=gates, evaluation=evaluation)
-    try:
+    service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest, params=params,
+                            gates=gates, evaluation=evaluation)
+    with transaction():  # a failed catalog commit deletes the version and moves the alias back
+        registration = register(ws.root, run_name=f"register-{name}", model_name=name,
+                                params={"model_dir": str(model_path), "retain": str(retain)}, metrics={},
+                                datasets=[], artifacts={}, model_dir=model_path,
+                                tags={"grom.kind": "base", "grom.owner": queue.claim_owner(),
+                                      "fingerprint": fingerprint, "model_dir": str(model_path)})
         if promoted:
             set_serving(ws.root, name, registration.version)
         record_run(catalog, _run_row(registration, "register", fingerprint, str(model_path)),
                    also=lambda con: queue.save_service(con, service))
-    except BaseException:
-        if promoted:
-            set_serving(ws.root, name, previous)
-        delete_registration(ws.root, registration)
-        raise
     return {"model_name": name, "version": registration.version, "serving": promoted,
             "serving_version": registration.version if promoted else previous, "fingerprint": fingerprint,
             "retain": str(retain_path), "retain_examples": len(rows), "gates": gates, "evaluation": evaluation,
@@ -103,25 +100,12 @@ def register_benchmark_model(benchmark: str, *, name: str | None = None, home: s
     GROM's default parameters, not the benchmark's preset: the preset is tuned to forget minitofu's forget10
     (5 authors at once) and over-forgets on a request of one or two authors (retain ROUGE-L kept 0.867 of its
     value on two authors, which fails the gates), while the defaults keep 0.927 and pass."""
-    from flows.evaluation import build_benchmark
-    from grom_core.benchmarks.minitofu import RETAIN_OF
+    from flows.evaluation import build_benchmark, sized_config
 
-    if benchmark != "minitofu":
-        raise DataError(f"--benchmark {benchmark}: only minitofu ships a service setup; pass --model and --retain")
-    config = None
-    if authors is not None:
-        from grom_core.benchmarks.minitofu import MiniTofuConfig
-
-        config = MiniTofuConfig(authors=authors)
-    built = build_benchmark(benchmark, None, home, None, config=config)
-    retain_split = RETAIN_OF[built.split]
-    return register_model(str(built.models["target"]), str(built.splits[retain_split]),
-                          name=name or f"grom-{benchmark}", home=home, params=params, gates=gates,
-                          evaluation=evaluation)
-
-
-def _jsonable(params: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+    built = build_benchmark(benchmark, None, home, None, config=sized_config(benchmark, authors))
+    _, retain = built.unlearning_files()
+    return register_model(str(built.models["target"]), str(retain), name=name or f"grom-{benchmark}", home=home,
+                          params=params, gates=gates, evaluation=evaluation)
 
 
 def _run_row(registration: Registration, flow: str, fingerprint: str, model_dir: str, **extra) -> dict:
@@ -138,7 +122,7 @@ def add_request(forget: str, *, reason: str | None = None, requester: str | None
     catalog = _catalog(ws)
     service = queue.get_service(catalog, model_name)
     rows = read_examples(forget)
-    examples = [example_record(r) for r in rows]
+    examples = [with_sha256(r) for r in rows]
     dataset = {"digest": data_digest(rows), "name": f"request:{Path(forget).name}", "role": "request",
                "source": str(forget), "examples": examples}
     request_id = queue.add_request(catalog, service.model_name, dataset, reason=reason, requester=requester)
@@ -177,19 +161,14 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
                         f"`grom request requeue ID`")
     runs = catalog.query("SELECT forget_digest, edit_id FROM runs WHERE model_name = ? AND model_version = ?",
                          [name, str(version)])
-    if str(version) != serving:
+    with transaction():  # a failed catalog commit moves the alias back
         set_serving(ws.root, name, str(version))
-    try:
         with catalog.transaction() as con:
             approved = queue.approve(con, name, str(version), getpass.getuser())
             if not approved:
                 raise DataError(f"version {version} of '{name}' answers no request in review; nothing to promote")
             if purge:
                 queue.purge_text(con, approved)
-    except BaseException:
-        if str(version) != serving:
-            set_serving(ws.root, name, serving)
-        raise
     if purge and runs and runs[0]["forget_digest"]:
         dataset = dataset_path(ws.root / "lake", "forget", runs[0]["forget_digest"])
         if dataset.is_file():
@@ -231,26 +210,23 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
         raise DataError(f"reverting edit {edit.edit_id} gave weights {fingerprint[:12]}, not those of version "
                         f"{parent} ({parent_fingerprint[:12]}); the edit does not belong to that parent")
     out = save_model(model, tokenizer, ws.models / f"restored-{edit.edit_id}")
-    registration = register(ws.root, run_name=f"revert-{name}-v{version}", model_name=name,
-                            params={"reverts": version, "edit_id": edit.edit_id}, metrics={}, datasets=[],
-                            artifacts={}, model_dir=out,
-                            tags={"grom.kind": "revert", "grom.owner": queue.claim_owner(), "fingerprint": fingerprint,
-                                  "model_dir": str(out), "parent_version": str(version), "reverts": str(version),
-                                  "restores": parent, "edit_id_reverted": edit.edit_id})
     reopened: list[int] = []
 
     def reopen(con) -> None:
         reopened.extend(queue.reopen(con, name, str(version), f"version {version} reverted by version "
                                                                f"{registration.version}"))
 
-    try:
+    with transaction():  # a failed catalog commit moves the alias back and deletes the version
+        registration = register(ws.root, run_name=f"revert-{name}-v{version}", model_name=name,
+                                params={"reverts": version, "edit_id": edit.edit_id}, metrics={}, datasets=[],
+                                artifacts={}, model_dir=out,
+                                tags={"grom.kind": "revert", "grom.owner": queue.claim_owner(),
+                                      "fingerprint": fingerprint, "model_dir": str(out),
+                                      "parent_version": str(version), "reverts": str(version), "restores": parent,
+                                      "edit_id_reverted": edit.edit_id})
         set_serving(ws.root, name, registration.version)
         record_run(catalog, _run_row(registration, "revert", fingerprint, str(out), edit_id=edit.edit_id),
                    also=reopen)
-    except BaseException:
-        set_serving(ws.root, name, serving)
-        delete_registration(ws.root, registration)
-        raise
     log.info("version %s of %s reverted: version %s restores version %s; reopened requests %s", version, name,
              registration.version, parent, reopened)
     return {"version": registration.version, "reopened": reopened, "reverted": str(version), "restores": parent,

@@ -16,9 +16,8 @@ original keys with an equal share of the drop: one pass instead of one per modul
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,8 +30,10 @@ from grom_core.errors import DataError, FingerprintMismatchError, UnsupportedArc
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.influence import InfluenceReport, influence_report
 from grom_core.layers import LayerScores, choose_band, score_layers
+from grom_core.params import Params, ParamsError
+from grom_core.profiling import Timings
 from grom_core.solver import solve_factors
-from grom_core.statistics import GramStats, accumulate
+from grom_core.statistics import GramStats, StatsComputer, StatsStore, accumulate
 from grom_core.targets import (
     lm_head_suppression,
     representation_corruption,
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GromParams:
+class GromParams(Params):
     """Hyper-parameters of the closed-form edit.
 
     Attributes:
@@ -89,17 +90,26 @@ class GromParams:
 
     def validate(self) -> None:
         if self.target not in ("suppress", "corrupt"):
-            raise ValueError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
+            raise ParamsError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
         if self.strategy not in ("sequential", "parallel"):
-            raise ValueError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
+            raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
         if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
-            raise ValueError("need beta > 0, w_forget > 0, w_retain >= 0 and relative_ridge > 0")
+            raise ParamsError("need beta > 0, w_forget > 0, w_retain >= 0 and relative_ridge > 0")
+        if self.band_width < 1 or not 0 < self.late_fraction <= 1:
+            raise ParamsError("need band_width >= 1 and 0 < late_fraction <= 1")
+        if self.batch_size < 1 or self.max_length < 2:
+            raise ParamsError("need batch_size >= 1 and max_length >= 2 (tokens)")
+        if not 0 <= self.threshold <= 1 or self.sharpness <= 0 or self.smoothing < 0:
+            raise ParamsError("need 0 <= threshold <= 1, sharpness > 0 and smoothing >= 0")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise ParamsError(f"layers must be a non-empty list of layer indices >= 0, got {list(self.layers)}")
 
 
 @dataclass
 class SolveRecord:
     """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s),
-    example_ids, positions and tokens (s,) (the gold next token at each position)."""
+    example_ids, positions and tokens (s,) (the gold next token at each position); ridge is mu, w_forget and
+    w_retain the objective's weights (REFERENCE section 1)."""
 
     module: str
     keys: torch.Tensor
@@ -107,6 +117,8 @@ class SolveRecord:
     example_ids: torch.Tensor
     ridge: float
     retain_count: int
+    w_forget: float = 1.0
+    w_retain: float = 1.0
     positions: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
 
@@ -121,15 +133,8 @@ class GromRun:
     retain_stats: dict[str, GramStats]
     records: dict[str, SolveRecord] = field(default_factory=dict)
     influence: dict[str, InfluenceReport] = field(default_factory=dict)
+    reused_stats: list[str] = field(default_factory=list)  # modules whose retain statistics came from a cache
     timings_s: dict[str, float] = field(default_factory=dict)
-
-
-class _Stopwatch:
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-
-    def lap(self, stage: str, start: float) -> None:
-        self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
 
 
 def _head_logits(head: nn.Module, keys: torch.Tensor, tokens: torch.Tensor, delta: ModuleDelta | None = None
@@ -165,6 +170,7 @@ class Prepared:
     fingerprint: str
     forget_digest: str
     retain_digest: str
+    stats_digest: str  # what the retain statistics depend on: the retain data and max_length
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -184,11 +190,12 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
                                   sharpness=params.sharpness, threshold=params.threshold,
                                   smoothing=params.smoothing)
+    retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights,
                     fingerprint=fingerprint or weights_fingerprint(model),
-                    forget_digest=data_digest(ex.record() for ex in forget_ex),
-                    retain_digest=data_digest(ex.record() for ex in retain_ex))
+                    forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
+                    stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length}]))
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
@@ -214,20 +221,49 @@ def edited_modules(adapter: ModelAdapter, layers: Sequence[int], params: GromPar
     return modules
 
 
-def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
-                      cached: dict[str, GramStats] | None = None) -> dict[str, GramStats]:
-    """GramStats per module: the cached ones (checked against this model's fingerprint), the rest computed."""
-    stats = dict(cached or {})
+def check_statistics(stats: Mapping[str, GramStats], prep: Prepared) -> None:
+    """Refuse statistics computed on other weights, other retain data or another `max_length`."""
     for name, st in stats.items():
-        if st.fingerprint and st.fingerprint != prep.fingerprint:
-            raise FingerprintMismatchError(f"retain statistics of '{name}' were computed on model "
-                                           f"{st.fingerprint[:12]}, not {prep.fingerprint[:12]}; recompute them")
+        if st.fingerprint != prep.fingerprint:
+            raise FingerprintMismatchError(
+                f"retain statistics of '{name}' were computed on model {st.fingerprint[:12] or '(unrecorded)'}, not "
+                f"{prep.fingerprint[:12]}; recompute them for this model")
+        if st.data_digest != prep.stats_digest:
+            raise DataError(f"retain statistics of '{name}' were computed on other retain data (or another "
+                            f"max_length): digest {st.data_digest[:12] or '(unrecorded)'}, expected "
+                            f"{prep.stats_digest[:12]}; recompute them for this retain data")
+
+
+def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
+                      cached: Mapping[str, GramStats] | None = None, *, store: StatsStore | None = None,
+                      compute: StatsComputer | None = None) -> tuple[dict[str, GramStats], list[str]]:
+    """GramStats per module and the names of those that were reused.
+
+    Reused: `cached` (checked against this model's fingerprint and this retain data), then whatever `store`
+    holds under (fingerprint, stats digest). The rest are computed (by `compute` when given, e.g. sharded over a
+    cluster, else in this process) and saved to `store`.
+    """
+    stats = {m: st for m, st in (cached or {}).items() if m in modules}
+    check_statistics(stats, prep)
+    missing = [m for m in modules if m not in stats]
+    if missing and store is not None:
+        found = store.load(prep.fingerprint, prep.stats_digest, missing)
+        check_statistics(found, prep)
+        stats.update(found)
+    reused = [m for m in modules if m in stats]
     missing = [m for m in modules if m not in stats]
     if missing:
-        stats.update(accumulate(model, prep.retain_batches, missing, fingerprint=prep.fingerprint,
-                                data_digest=prep.retain_digest,
-                                early_stop=prep.adapter.lm_head_name not in missing))
-    return stats
+        if compute is not None:
+            computed = compute(missing, prep.fingerprint, prep.stats_digest)
+        else:
+            computed = accumulate(model, prep.retain_batches, missing, fingerprint=prep.fingerprint,
+                                  data_digest=prep.stats_digest,
+                                  early_stop=prep.adapter.lm_head_name not in missing)
+        check_statistics(computed, prep)
+        if store is not None:
+            store.save(computed)
+        stats.update(computed)
+    return {m: stats[m] for m in modules}, reused
 
 
 def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str], stats: dict[str, GramStats],
@@ -235,7 +271,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers)
     deltas, records = solver.solve(modules)
-    edit = Edit(deltas=deltas, base_fingerprint=prep.fingerprint, params=_params_dict(params),
+    edit = Edit(deltas=deltas, base_fingerprint=prep.fingerprint, params={**params.to_dict(), "method": "grom"},
                 metadata={"layers": layers, "modules": modules, "retain_digest": prep.retain_digest,
                           "forget_digest": prep.forget_digest, "forget_examples": len(prep.forget),
                           "retain_examples": len(prep.retain),
@@ -249,14 +285,22 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
 def audit(records: dict[str, SolveRecord], stats: dict[str, GramStats], params: GromParams
           ) -> dict[str, InfluenceReport]:
     """Exact leave-one-out influence of every forget example on every module's edit."""
-    return {name: influence_report(rec.keys, rec.targets, stats[name].gram, rec.retain_count, rec.example_ids,
-                                   w_forget=params.w_forget, w_retain=params.w_retain, ridge=rec.ridge)
-            for name, rec in records.items()}
+    return {name: record_influence(rec, stats[name]) for name, rec in records.items()}
+
+
+def record_influence(record: SolveRecord, stats: GramStats) -> InfluenceReport:
+    """Exact leave-one-out influence of every forget example on one module's edit, from what its solve used.
+
+    Exact for that module with everything else held fixed: its keys, targets, specificity weights, the chosen
+    layers and c = w_forget / s. Leaving an example out for real would also change those (see `refit_check`)."""
+    return influence_report(record.keys, record.targets, stats.gram, record.retain_count, record.example_ids,
+                            w_forget=record.w_forget, w_retain=record.w_retain, ridge=record.ridge)
 
 
 def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tuple | str],
              retain: Sequence[Example | dict | tuple | str], params: GromParams = GromParams(), *,
-             adapter: ModelAdapter | None = None, retain_stats: dict[str, GramStats] | None = None) -> GromRun:
+             adapter: ModelAdapter | None = None, retain_stats: Mapping[str, GramStats] | None = None,
+             stats_store: StatsStore | None = None, compute_stats: StatsComputer | None = None) -> GromRun:
     """Compute the closed-form unlearning edit of `model` for `forget` while preserving `retain`.
 
     Args:
@@ -265,43 +309,36 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
         forget, retain: QA pairs or texts (Example, dicts with question/answer or text, tuples, strings).
         params: GromParams.
         adapter: hand-named modules for architectures the adapter does not know.
-        retain_stats: cached GramStats per module (must match this model's fingerprint); missing ones are computed.
+        retain_stats: cached GramStats per module (must match this model's fingerprint, this retain data and
+            max_length); missing ones are looked up in `stats_store`, then computed (by `compute_stats` if given).
+        stats_store: where retain statistics are cached (see statistics.StatsStore); computed ones are saved there.
+        compute_stats: computes missing statistics elsewhere, e.g. sharded over a Dask cluster.
     """
-    clock = _Stopwatch()
-    t0 = time.perf_counter()
-    prep = prepare(model, tokenizer, forget, retain, params, adapter)
-    clock.lap("prepare", t0)
-    t0 = time.perf_counter()
-    layers, scores = select_layers(model, prep, params)
-    clock.lap("layer_scores", t0)
+    clock = Timings()
+    with clock.stage("prepare"):
+        prep = prepare(model, tokenizer, forget, retain, params, adapter)
+    with clock.stage("layer_scores"):
+        layers, scores = select_layers(model, prep, params)
     modules = edited_modules(prep.adapter, layers, params)
-    t0 = time.perf_counter()
-    stats = retain_statistics(model, prep, modules, retain_stats)
-    clock.lap("retain_statistics", t0)
-    t0 = time.perf_counter()
-    edit, records = solve(model, prep, layers, modules, stats, params, scores)
-    clock.lap("solve", t0)
-    run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records)
+    with clock.stage("retain_statistics"):
+        stats, reused = retain_statistics(model, prep, modules, retain_stats, store=stats_store,
+                                          compute=compute_stats)
+    with clock.stage("solve"):
+        edit, records = solve(model, prep, layers, modules, stats, params, scores)
+    run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records,
+                  reused_stats=reused)
     if params.influence:
-        t0 = time.perf_counter()
-        run.influence = audit(records, stats, params)
-        clock.lap("influence", t0)
-    run.timings_s = clock.timings
+        with clock.stage("influence"):
+            run.influence = audit(records, stats, params)
+    run.timings_s = clock.seconds
     log.info("GROM edit %s: %d modules, %d forget positions, stages %s", edit.edit_id, len(modules),
-             edit.metadata["forget_positions"], {k: round(v, 3) for k, v in clock.timings.items()})
+             edit.metadata["forget_positions"], {k: round(v, 3) for k, v in clock.seconds.items()})
     return run
 
 
 def compute_edit(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(), **kwargs) -> Edit:
     """`run_grom(...).edit`: the Edit alone."""
     return run_grom(model, tokenizer, forget, retain, params, **kwargs).edit
-
-
-def _params_dict(params: GromParams) -> dict:
-    out = asdict(params)
-    out["layers"] = list(params.layers) if params.layers is not None else None
-    out["method"] = "grom"
-    return out
 
 
 class _SequentialSolver:
@@ -353,7 +390,8 @@ class _SequentialSolver:
                                                 w_retain=params.w_retain, ridge=mu)
             deltas[name] = ModuleDelta.from_factors(name, left, right)
             records[name] = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
-                                        ridge=mu, retain_count=st.count, positions=got.positions.cpu(),
+                                        ridge=mu, retain_count=st.count, w_forget=params.w_forget,
+                                        w_retain=params.w_retain, positions=got.positions.cpu(),
                                         tokens=got.next_tokens.cpu())
             log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
                      f", jitter {system.jitter:.3g}" if system.jitter else "")

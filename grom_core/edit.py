@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from grom_core.adapter import get_module, weight_out_in
-from grom_core.errors import FingerprintMismatchError, ShapeMismatchError
+from grom_core.errors import FingerprintMismatchError, MissingUndoError, ShapeMismatchError, TiedWeightsError
 from grom_core.fingerprint import weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class Edit:
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         for name in self.deltas:
             if embed is not None and get_module(model, name).weight is embed.weight:
-                raise FingerprintMismatchError(
+                raise TiedWeightsError(
                     f"'{name}' shares its weight with the input embedding, so editing it would change the "
                     f"embedding too; untie it first with ModelAdapter.for_model(model).untie_lm_head()")
 
@@ -224,8 +224,8 @@ class Edit:
         """
         undo = undo or model.__dict__.get("_grom_undo", {}).get(self.edit_id)
         if undo is None or undo.edit_id != self.edit_id:
-            raise FingerprintMismatchError(f"no undo record of edit {self.edit_id} on this model; pass the Undo "
-                                           f"that apply() returned (Undo.load(path) in another process)")
+            raise MissingUndoError(f"no undo record of edit {self.edit_id} on this model; pass the Undo "
+                                    f"that apply() returned (Undo.load(path) in another process)")
         if verify and undo.post_fingerprint:
             found = weights_fingerprint(model)
             if found != undo.post_fingerprint:

@@ -27,3 +27,15 @@ class FingerprintMismatchError(GromError):
 
 class DataError(GromError):
     """Input data is empty, malformed, or has no supervised positions."""
+
+
+class TiedWeightsError(UnsupportedArchitectureError):
+    """An edited module shares its weight with another (a tied LM head and input embedding): untie it first."""
+
+
+class MissingUndoError(GromError):
+    """A revert without the undo record of the edit it reverts."""
+
+
+class ParamsError(DataError):
+    """A parameter value that the method cannot take: an unknown name, a wrong type or a value out of range."""

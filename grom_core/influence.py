@@ -82,6 +82,7 @@ def _gather_blocks(matrix: torch.Tensor, blocks: _Blocks) -> torch.Tensor:
 @dataclass
 class _Solved:
     system_c: float
+    ridge: float  # mu plus whatever jitter the factorisation of A had to add: the system P was solved with
     z: torch.Tensor  # (n, s) A^-1 X_f
     residual: torch.Tensor  # (m, s) E = D - P X_f
     m_blocks: torch.Tensor  # (e, kmax, kmax) M_i, I / c in the padding
@@ -102,7 +103,8 @@ def _prepare(forget_keys, targets, retain_gram, retain_count, example_ids, w_for
     valid2 = (blocks.valid[:, :, None] & blocks.valid[:, None, :]).to(x_f.device)
     m_blocks = torch.where(valid2, eye / c - _gather_blocks(xtz, blocks), eye / c)
     m_blocks = 0.5 * (m_blocks + m_blocks.transpose(1, 2))
-    return _Solved(system_c=c, z=z, residual=residual, m_blocks=m_blocks, blocks=blocks)
+    return _Solved(system_c=c, ridge=ridge + system.jitter, z=z, residual=residual, m_blocks=m_blocks,
+                   blocks=blocks)
 
 
 def _refit_norm(forget_keys, targets, retain_gram, retain_count, keep: torch.Tensor, c: float, w_retain: float,
@@ -125,31 +127,36 @@ def influence_report(forget_keys: torch.Tensor, targets: torch.Tensor, retain_gr
     """Leave-one-out influence of every forget example; see the module docstring for the formulas.
 
     Shapes: forget_keys (n, s), targets (m, s), retain_gram (n, n), example_ids (s,) integer.
+
+    High-leverage examples (min_eig below `leverage_threshold`) are refit directly when `refit_flagged`; an
+    example whose M_i is not numerically positive definite (its Cholesky fails) is always flagged and refit,
+    since the Woodbury value is meaningless there. Refits solve the same system as the edit, jitter included.
     """
     solved = _prepare(forget_keys, targets, retain_gram, retain_count, example_ids, w_forget, w_retain, ridge)
     blocks = solved.blocks
     ete = _gather_blocks(solved.residual.T @ solved.residual, blocks)  # (e, k, k) E_i^T E_i
     ztz = _gather_blocks(solved.z.T @ solved.z, blocks)  # (e, k, k) Z_i^T Z_i
-    chol, _ = torch.linalg.cholesky_ex(solved.m_blocks)
+    chol, info = torch.linalg.cholesky_ex(solved.m_blocks)
+    failed = (info != 0).cpu()  # per block: M_i is not numerically positive definite
     left = torch.cholesky_solve(ete, chol)  # M^-1 E^T E
     right = torch.cholesky_solve(ztz, chol)  # M^-1 Z^T Z
     sq = (left * right.transpose(1, 2)).sum(dim=(1, 2))  # trace(left @ right)
-    norms = sq.clamp_min(0).sqrt()
+    norms = sq.clamp_min(0).sqrt().cpu()
     eig = torch.linalg.eigvalsh(solved.system_c * solved.m_blocks)
     # padding of M is I / c, i.e. eigenvalue 1 after scaling, the largest possible: it never wins the minimum
-    min_eig = eig[:, 0]
-    flagged = min_eig < leverage_threshold
+    min_eig = eig[:, 0].cpu()
+    flagged = (min_eig < leverage_threshold) | failed
+    to_refit = flagged if refit_flagged else failed
     refit = torch.zeros_like(flagged)
-    if refit_flagged and bool(flagged.any()):
+    if bool(to_refit.any()):
         c = solved.system_c
         p_full = c * targets.double().to(solved.z.device) @ solved.z.T
-        for row in torch.nonzero(flagged).flatten().tolist():
+        for row in torch.nonzero(to_refit).flatten().tolist():
             keep = example_ids.to(forget_keys.device) != blocks.ids[row].to(forget_keys.device)
-            norms[row] = _refit_norm(forget_keys, targets, retain_gram, retain_count, keep, c, w_retain, ridge,
-                                     p_full)
+            norms[row] = _refit_norm(forget_keys, targets, retain_gram, retain_count, keep, c, w_retain,
+                                     solved.ridge, p_full)
             refit[row] = True
-    return InfluenceReport(example_ids=blocks.ids, norms=norms.cpu(), min_eig=min_eig.cpu(), flagged=flagged.cpu(),
-                           refit=refit.cpu())
+    return InfluenceReport(example_ids=blocks.ids, norms=norms, min_eig=min_eig, flagged=flagged, refit=refit)
 
 
 def leave_one_out(forget_keys: torch.Tensor, targets: torch.Tensor, retain_gram: torch.Tensor, retain_count: int,

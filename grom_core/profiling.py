@@ -60,3 +60,33 @@ def measure(interval: float = 0.02) -> Iterator[Measurement]:
         result.peak_rss_mb = max(result.peak_rss_mb, rss_mb())
         if cuda:
             result.peak_cuda_mb = torch.cuda.max_memory_allocated() / 2**20
+
+
+class Timings:
+    """Wall time per named stage (seconds), the one stage timer of grom: `with timings.stage("solve"): ...`.
+
+    A stage entered twice adds up; each finished stage is logged at INFO on `logger` when one is given, which is
+    the per-stage progress a user watches in a long run."""
+
+    def __init__(self, logger=None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+        self._log = logger
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if self._log is not None:
+                self._log.info("stage %-18s %7.2f s", name, self.seconds[name])
+
+    def run(self, stage: str, fn, /, *args, **kwargs):
+        """`fn(*args, **kwargs)` timed as stage `stage`."""
+        with self.stage(stage):
+            return fn(*args, **kwargs)
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started

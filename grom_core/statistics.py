@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,37 @@ from grom_core.data import Batch
 from grom_core.errors import FingerprintMismatchError, NonFiniteError, ShapeMismatchError
 
 FORMAT_VERSION = 1
+
+
+class StatsStore(Protocol):
+    """A cache of retain statistics keyed by (model weights fingerprint, stats digest, module); the stats digest
+    covers the retain data and everything else the keys depend on (max_length)."""
+
+    def load(self, fingerprint: str, data_digest: str, modules: Sequence[str]) -> dict[str, GramStats]:
+        """The cached statistics among `modules` (missing ones are simply absent)."""
+        ...
+
+    def save(self, stats: Mapping[str, GramStats]) -> None:
+        ...
+
+
+class MemoryStatsStore:
+    """A StatsStore in memory (for a notebook or a benchmark that runs a method twice in one process)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str, str], GramStats] = {}
+
+    def load(self, fingerprint: str, data_digest: str, modules: Sequence[str]) -> dict[str, GramStats]:
+        return {m: self.entries[(fingerprint, data_digest, m)] for m in modules
+                if (fingerprint, data_digest, m) in self.entries}
+
+    def save(self, stats: Mapping[str, GramStats]) -> None:
+        for name, st in stats.items():
+            self.entries[(st.fingerprint, st.data_digest, name)] = st
+
+
+# (modules, fingerprint, stats digest) -> statistics of those modules, computed somewhere else (a Dask cluster)
+StatsComputer = Callable[[Sequence[str], str, str], dict[str, "GramStats"]]
 
 
 @dataclass

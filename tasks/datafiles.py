@@ -127,27 +127,9 @@ def read_benchmark_file(path: str | Path, layout: str) -> list[dict]:
     return rows
 
 
-TOFU_FILES = {"retain_eval": "retain_perturbed", "real_authors": "real_authors_perturbed",
-              "world_facts": "world_facts_perturbed"}
-
-
 def tofu_splits_from_dir(directory: str | Path, forget_split: str = "forget10") -> dict[str, list[dict]]:
-    """The real TOFU evaluation files of a local folder (as the TOFU dataset names them) as minitofu-style splits.
+    """The real TOFU evaluation files of a local folder as minitofu-style splits (see
+    `grom_core.benchmarks.minitofu.tofu_splits_from_files`), in any of the formats `read_rows` reads."""
+    from grom_core.benchmarks.minitofu import tofu_splits_from_files
 
-    Expects `<forget_split>_perturbed.json`, `retain_perturbed.json`, `real_authors_perturbed.json` and
-    `world_facts_perturbed.json` (JSON, JSON lines or Parquet with the same stem).
-    """
-    directory = Path(directory)
-
-    def find(stem: str) -> Path:
-        for suffix in SUFFIXES:
-            if (directory / f"{stem}{suffix}").is_file():
-                return directory / f"{stem}{suffix}"
-        raise DataError(f"{directory} has no {stem}.json/.jsonl/.parquet; the TOFU evaluation files are needed")
-
-    splits = {forget_split: read_benchmark_file(find(f"{forget_split}_perturbed"), "tofu_eval")}
-    for key, stem in TOFU_FILES.items():
-        splits[key] = read_benchmark_file(find(stem), "tofu_eval")
-    for key in ("real_authors", "world_facts"):
-        splits[key] = [{**r, "paraphrased_answer": r["answer"]} for r in splits[key]]
-    return splits
+    return tofu_splits_from_files(directory, forget_split, read_benchmark_file, SUFFIXES)

@@ -65,16 +65,30 @@ def stats_path(root: Path, fingerprint: str, retain_digest: str, module: str) ->
     return root / "retain_stats" / fingerprint[:24] / retain_digest[:24] / f"{safe_name(module)}.safetensors"
 
 
-def load_cached_stats(root: Path, fingerprint: str, retain_digest: str, modules: list[str]) -> dict[str, GramStats]:
-    """The cached statistics of (model fingerprint, retain digest) for each module that has them."""
-    found = {}
-    for module in modules:
-        path = stats_path(root, fingerprint, retain_digest, module)
-        if path.is_file():
-            stats = GramStats.load(path, expect_fingerprint=fingerprint)
-            if stats.data_digest == retain_digest and stats.module == module:
-                found[module] = stats
-    return found
+class LakeStatsStore:
+    """The retain-statistics cache in the lake (a `grom_core.statistics.StatsStore`): one safetensors file per
+    (model weights fingerprint, stats digest, module). Entries are checked on load: a file whose header names
+    another model, other data or another module is ignored."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, fingerprint: str, digest: str, module: str) -> Path:
+        return stats_path(self.root, fingerprint, digest, module)
+
+    def load(self, fingerprint: str, data_digest: str, modules) -> dict[str, GramStats]:
+        found = {}
+        for module in modules:
+            path = self.path(fingerprint, data_digest, module)
+            if path.is_file():
+                stats = GramStats.load(path)
+                if (stats.fingerprint, stats.data_digest, stats.module) == (fingerprint, data_digest, module):
+                    found[module] = stats
+        return found
+
+    def save(self, stats) -> None:
+        for name, st in stats.items():
+            st.save(self.path(st.fingerprint, st.data_digest, name))
 
 
 def save_records(path: Path, records: dict[str, SolveRecord]) -> Path:
@@ -84,7 +98,8 @@ def save_records(path: Path, records: dict[str, SolveRecord]) -> Path:
         tensors[f"{name}::keys"] = rec.keys.contiguous()
         tensors[f"{name}::targets"] = rec.targets.contiguous()
         tensors[f"{name}::example_ids"] = rec.example_ids.contiguous()
-        meta[name] = {"ridge": rec.ridge, "retain_count": rec.retain_count}
+        meta[name] = {"ridge": rec.ridge, "retain_count": rec.retain_count, "w_forget": rec.w_forget,
+                      "w_retain": rec.w_retain}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"grom": json.dumps(meta)})
@@ -98,7 +113,8 @@ def load_records(path: Path) -> dict[str, SolveRecord]:
         return {name: SolveRecord(module=name, keys=handle.get_tensor(f"{name}::keys"),
                                   targets=handle.get_tensor(f"{name}::targets"),
                                   example_ids=handle.get_tensor(f"{name}::example_ids"),
-                                  ridge=info["ridge"], retain_count=info["retain_count"])
+                                  ridge=info["ridge"], retain_count=info["retain_count"],
+                                  w_forget=info["w_forget"], w_retain=info["w_retain"])
                 for name, info in meta.items()}
 
 

@@ -2,7 +2,9 @@
 model registered as a new version with lineage tags, and the `serving` alias that marks the version in service.
 
 If anything fails after the run started, the run is marked FAILED and any model version it created is deleted,
-so the registry never holds a half-registered version.
+so the registry never holds a half-registered version. Inside a Prefect transaction (`prefect.transactions.
+transaction()`), `register` and `set_serving` also stage their compensation as rollback hooks: if a later step of
+the transaction fails (the catalog commit), the version is deleted and the alias moved back, in reverse order.
 
 Tags grom puts on the versions it registers: `grom.kind` (base, unlearn, request, revert), `fingerprint` (of the
 version's weights), `model_dir` (its local folder), `parent_version` (the version it was computed from),
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +49,26 @@ class Registration:
     run_id: str
     model_name: str
     version: str | None
+
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def check_model_name(name: str) -> str:
+    """A registered model name grom creates: letters, digits, '_', '.', '-' (it names folders and MLflow paths)."""
+    if not MODEL_NAME.fullmatch(name) or ".." in name:
+        raise DataError(f"model name {name!r} is not allowed: use letters, digits, '_', '.' and '-' (at most 100, "
+                        f"starting with a letter or digit), e.g. grom-{safe_name(name).strip('._-')[:40] or 'model'}")
+    return name
+
+
+def _on_rollback(undo: Callable[[], None]) -> None:
+    """Stage `undo` as a rollback hook of the open Prefect transaction (none open: nothing to stage)."""
+    from prefect.transactions import get_transaction
+
+    txn = get_transaction()
+    if txn is not None:
+        txn.stage(None, on_rollback_hooks=[lambda _txn: undo()])
 
 
 def _flat(prefix: str, metrics: dict) -> dict[str, float]:
@@ -111,7 +135,9 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
                 client.delete_model_version(model_name, version)
             mlflow.end_run(status="FAILED")
             raise
-    return Registration(run_id=run.info.run_id, model_name=model_name, version=version)
+    registration = Registration(run_id=run.info.run_id, model_name=model_name, version=version)
+    _on_rollback(lambda: delete_registration(root, registration))
+    return registration
 
 
 def delete_registration(root: Path, registration: Registration) -> None:
@@ -143,7 +169,14 @@ def serving_version(root: Path, name: str) -> str | None:
 
 
 def set_serving(root: Path, name: str, version: str | None) -> None:
-    """Point the `serving` alias at `version` (None removes it)."""
+    """Point the `serving` alias at `version` (None removes it); in a transaction, a rollback moves it back."""
+    previous = serving_version(root, name)
+    _move_alias(root, name, version)
+    if previous != (str(version) if version is not None else None):
+        _on_rollback(lambda: _move_alias(root, name, previous))
+
+
+def _move_alias(root: Path, name: str, version: str | None) -> None:
     mlflow_client = client(root)
     if version is None:
         mlflow_client.delete_registered_model_alias(name, SERVING_ALIAS)
@@ -166,12 +199,16 @@ def get_version(root: Path, name: str, version: str):
 
 
 def versions(root: Path, name: str) -> list:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return list(client(root).search_model_versions(f"name='{name}'"))
-    except MlflowException:
-        return []
+    """Every version of `name`. Listed page by page and matched here, so no filter string is built from a name
+    (a quote in it would change the query)."""
+    mlflow_client = client(root)
+    found, token = [], None
+    while True:
+        page = mlflow_client.search_model_versions(max_results=1000, page_token=token)
+        found += [v for v in page if v.name == name]
+        token = page.token
+        if not token:
+            return found
 
 
 def version_model_dir(root: Path, name: str, version: str) -> Path:

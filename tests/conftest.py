@@ -80,3 +80,12 @@ def tiny_gpt2(tokenizer):
 def small_workspace(tmp_path_factory):
     """One workspace for the tests that need a built (10-author) minitofu: its models are trained once."""
     return tmp_path_factory.mktemp("small-ws")
+
+
+@pytest.fixture(scope="session")
+def harness():
+    """One Prefect test server for the whole session (it takes 15-25 s to start on 2 cores)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

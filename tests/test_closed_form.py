@@ -8,10 +8,11 @@ from grom_core.adapter import ModelAdapter
 from grom_core.capture import collect
 from grom_core.closed_form import GromParams, compute_edit, run_grom
 from grom_core.data import make_batches
-from grom_core.errors import DataError, FingerprintMismatchError, UnsupportedArchitectureError
+from grom_core.errors import DataError, FingerprintMismatchError, ParamsError, UnsupportedArchitectureError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.influence import leave_one_out
 from grom_core.scoring import answer_probability
+from grom_core.statistics import GramStats, MemoryStatsStore
 
 
 def test_one_call_edit_forgets_and_keeps_retain(trained, capsys):
@@ -64,6 +65,28 @@ def test_cached_retain_statistics_give_the_same_edit(trained):
     assert "retain_statistics" in second.timings_s
     with first.edit.applied(model), pytest.raises(FingerprintMismatchError, match="recompute"):
         run_grom(model, tokenizer, FORGET, RETAIN, params, retain_stats=first.retain_stats)
+    # statistics of other retain data, of another max_length, or without a fingerprint are refused too
+    with pytest.raises(DataError, match="other retain data"):
+        run_grom(model, tokenizer, FORGET, RETAIN[:-1], params, retain_stats=first.retain_stats)
+    with pytest.raises(DataError, match="max_length"):
+        run_grom(model, tokenizer, FORGET, RETAIN, params.replace(max_length=64), retain_stats=first.retain_stats)
+    unmarked = {m: GramStats(module=m, gram=st.gram, count=st.count, data_digest=st.data_digest,
+                             key_sum=st.key_sum) for m, st in first.retain_stats.items()}
+    with pytest.raises(FingerprintMismatchError, match="unrecorded"):
+        run_grom(model, tokenizer, FORGET, RETAIN, params, retain_stats=unmarked)
+
+
+def test_a_stats_store_is_filled_once_and_reused(trained):
+    model, tokenizer = trained
+    params = GromParams(layers=(2,), influence=False)
+    store = MemoryStatsStore()
+    first = run_grom(model, tokenizer, FORGET, RETAIN, params, stats_store=store)
+    assert first.reused_stats == [] and len(store.entries) == 2  # the down-projection and the LM head
+    second = run_grom(model, tokenizer, FORGET, RETAIN, params, stats_store=store)
+    assert sorted(second.reused_stats) == sorted(first.edit.modules)
+    assert second.edit.edit_id == first.edit.edit_id
+    third = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(max_length=64), stats_store=store)
+    assert third.reused_stats == [] and len(store.entries) == 4  # another max_length: other keys
 
 
 def test_parallel_strategy_and_manual_layers(trained):
@@ -118,5 +141,10 @@ def test_bad_inputs(trained):
         run_grom(model, tokenizer, [{"text": "  "}], RETAIN)
     with pytest.raises(DataError, match="neither"):
         run_grom(model, tokenizer, [{"prompt": "x"}], RETAIN)
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(ParamsError, match="strategy"):
         run_grom(model, tokenizer, FORGET, RETAIN, GromParams(strategy="random"))
+    with pytest.raises(ParamsError, match="has no parameter 'compose'"):
+        GromParams.from_dict({"compose": "sago"})
+    with pytest.raises(ParamsError, match="layers must be a list of int or null"):
+        GromParams.from_dict({"layers": "a"})
+    assert GromParams.from_dict({"layers": [2, 1], "beta": 60}).layers == (2, 1)

@@ -6,7 +6,7 @@ from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.capture import collect
 from grom_core.data import make_batches
 from grom_core.edit import Edit, ModuleDelta, Undo
-from grom_core.errors import FingerprintMismatchError
+from grom_core.errors import FingerprintMismatchError, MissingUndoError, TiedWeightsError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.solver import solve_factors
 from grom_core.statistics import accumulate
@@ -64,8 +64,9 @@ def test_refuses_another_model_and_a_tied_head(tiny_llama, tiny_gpt2):
     with pytest.raises(FingerprintMismatchError, match="computed for model"):
         edit.apply(tiny_llama)
     tied = random_edit(tiny_gpt2, ["lm_head"])
-    with pytest.raises(FingerprintMismatchError, match="untie"):
+    with pytest.raises(TiedWeightsError, match="untie") as refused:
         tied.apply(tiny_gpt2)
+    assert not isinstance(refused.value, FingerprintMismatchError)  # the weights are the right ones; the tie is not
 
 
 def test_revert_refuses_after_later_changes_and_works_from_a_saved_undo(tiny_llama, tmp_path):
@@ -79,8 +80,9 @@ def test_revert_refuses_after_later_changes_and_works_from_a_saved_undo(tiny_lla
         edit.revert(tiny_llama)
     second.revert(tiny_llama)
     tiny_llama.__dict__.pop("_grom_undo")  # as in a new process: only the saved undo is left
-    with pytest.raises(FingerprintMismatchError, match="Undo.load"):
+    with pytest.raises(MissingUndoError, match="Undo.load") as refused:
         edit.revert(tiny_llama)
+    assert not isinstance(refused.value, FingerprintMismatchError)
     edit.revert(tiny_llama, Undo.load(tmp_path / "undo.safetensors"))
     assert_bit_identical(before, tiny_llama)
 

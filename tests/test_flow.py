@@ -9,16 +9,8 @@ import torch
 from conftest import FORGET, RETAIN
 
 from flows.demo import run_unlearn
-from grom_core.errors import DataError, GromError, NonFiniteError, UnsupportedArchitectureError
+from grom_core.errors import DataError, NonFiniteError, UnsupportedArchitectureError
 from tasks.catalog import Catalog
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def write_jsonl(path, examples):
@@ -43,15 +35,9 @@ def unlearn(harness, trained_dir, files, home, retain="retain", **kw):
 
 
 def registered_versions(home, name):
-    from mlflow.tracking import MlflowClient
+    from tasks.tracking import versions
 
-    from tasks.tracking import configure
-
-    configure(home)
-    try:
-        return [v.version for v in MlflowClient().search_model_versions(f"name='{name}'")]
-    except Exception:
-        return []
+    return [v.version for v in versions(home, name)]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +51,9 @@ def test_flow_leaves_catalog_rows_parquet_shards_and_a_registered_model(first_ru
     assert result["method"] == "grom" and result["cached_stats"] is False
     assert set(result["metrics"]["before"]) >= {"forget_probability", "retain_probability", "forget_rougeL_recall"}
     assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"] / 5
-    assert set(result["timings_s"]) >= {"ingest", "score_layers", "retain_statistics", "solve", "total"}
+    assert set(result["timings_s"]) >= {"ingest", "unlearn", "layer_scores", "retain_statistics", "solve", "register",
+                                        "total"}
+    assert set(result["unlearning"]["stages_s"]) >= {"layer_scores", "retain_statistics", "solve"}
     catalog = Catalog(home / "catalog.duckdb")
     assert catalog.query("SELECT count(*) AS n FROM datasets")[0]["n"] == 2
     examples = catalog.query("SELECT count(*) AS n, count(DISTINCT sha256) AS d FROM examples")[0]
@@ -214,12 +202,11 @@ def test_non_finite_keys_fail_the_flow_and_change_nothing(harness, trained_dir, 
     with pytest.raises(NonFiniteError, match="non-finite"):
         unlearn(harness, broken, files, tmp_path / "ws", model_name="grom-unknown")
     assert_nothing_changed(tmp_path / "ws")
-    assert issubclass(NonFiniteError, GromError)
 
 
 def test_gradient_method_runs_through_the_same_flow(harness, trained_dir, files, tmp_path):
-    result = unlearn(harness, trained_dir, files, tmp_path, method="npo", compose="sago",
-                     trainer={"epochs": 2, "batch_size": 4, "grad_accum": 2, "lr": 2e-3})
+    result = unlearn(harness, trained_dir, files, tmp_path, method="npo",
+                     params={"compose": "sago", "trainer": {"epochs": 2, "batch_size": 4, "grad_accum": 2, "lr": 2e-3}})
     assert result["method"] == "npo" and result["compose"] == "sago" and result["cached_stats"] is None
     assert result["unlearning"]["steps"] == 2 * 2 and result["unlearning"]["peak_rss_mb"] > 0
     assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"]

@@ -6,12 +6,13 @@ import pytest
 import torch
 from conftest import FORGET, RETAIN
 
-from grom_core.errors import DataError
+from grom_core.errors import DataError, ParamsError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.gradient import losses
 from grom_core.gradient.composition import compose_pcgrad, compose_sago, compose_sum
-from grom_core.gradient.methods import METHODS
-from grom_core.gradient.trainer import TrainerParams, idk_answers, unlearn_gradient
+from grom_core.gradient.methods import NPOParams, TrainerParams
+from grom_core.gradient.trainer import idk_answers, unlearn_gradient
+from grom_core.methods import METHODS
 from grom_core.scoring import answer_probability
 
 
@@ -80,10 +81,13 @@ def test_sago_never_opposes_the_retain_gradient():
             assert torch.equal(o[conflict], 1.3 * r[conflict]) and torch.equal(o[~conflict], 0.7 * f[~conflict])
 
 
-def test_registry_has_every_method_with_typed_defaults():
-    assert set(METHODS) == {"ga", "graddiff", "npo", "simnpo", "idkdpo"}
+def test_registry_has_every_gradient_method_with_its_published_defaults():
+    gradient = {name for name, m in METHODS.items() if m.objective is not None}
+    assert gradient == {"ga", "graddiff", "npo", "simnpo", "idkdpo"}
     assert METHODS["npo"].params().beta == 0.1 and METHODS["simnpo"].params().beta == 4.5
     assert METHODS["simnpo"].params().gamma == 0.125 and METHODS["ga"].params().alpha == 0.0
+    assert METHODS["npo"].objective.needs_reference and METHODS["idkdpo"].objective.needs_idk
+    assert not METHODS["simnpo"].objective.needs_reference
     assert len(idk_answers()) > 50
 
 
@@ -95,13 +99,15 @@ def test_short_npo_sago_run_lowers_forget_probability_and_returns_an_edit(traine
     recipe = TrainerParams(lr=2e-3, epochs=4, batch_size=4, grad_accum=2)
     results = {}
     for compose in ("sago", "sum"):
-        run = unlearn_gradient(model, tokenizer, FORGET, RETAIN, method="npo", compose=compose, trainer=recipe)
+        run = unlearn_gradient(model, tokenizer, FORGET, RETAIN, "npo", NPOParams(compose=compose, trainer=recipe))
         assert weights_fingerprint(model) == fingerprint  # the model is restored exactly
         with run.edit.applied(model):
             results[compose] = (answer_probability(model, tokenizer, FORGET).mean(),
                                 answer_probability(model, tokenizer, RETAIN).mean(), run)
     forget_sago, retain_sago, run = results["sago"]
-    assert forget_sago < before_f
+    forget_sum, retain_sum, _ = results["sum"]
+    assert forget_sago < before_f and forget_sum < before_f
+    assert forget_sago != forget_sum  # the composer changes the training, not only its label
     assert run.steps == 4 * 2 and run.edit.params["compose"] == "sago" and "lm_head" in run.edit.modules
     with capsys.disabled():
         for compose, (f, r, res) in results.items():
@@ -113,5 +119,11 @@ def test_bad_method_and_composer(trained):
     model, tokenizer = trained
     with pytest.raises(DataError, match="npo"):
         unlearn_gradient(model, tokenizer, FORGET, RETAIN, method="rmu")
-    with pytest.raises(DataError, match="sago"):
-        unlearn_gradient(model, tokenizer, FORGET, RETAIN, compose="mean")
+    with pytest.raises(ParamsError, match="sago"):
+        unlearn_gradient(model, tokenizer, FORGET, RETAIN, "npo", NPOParams.from_dict({"compose": "mean"}))
+    with pytest.raises(ParamsError, match="beta must be float"):
+        NPOParams.from_dict({"beta": "high"})
+    with pytest.raises(ParamsError, match="epochs must be int"):
+        NPOParams.from_dict({"trainer": {"epochs": 2.5}})
+    with pytest.raises(DataError, match="not a gradient method"):
+        unlearn_gradient(model, tokenizer, FORGET, RETAIN, "grom")

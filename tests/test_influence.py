@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grom_core.influence import influence_report, leave_one_out, output_influence
-from grom_core.solver import solve_edit
+from grom_core.solver import factor_system, solve_edit
 
 
 def refit_without(x_f, d, gram, r, ids, example, w_f, w_r, mu):
@@ -65,3 +65,41 @@ def test_high_leverage_example_is_flagged_and_refit():
     got = report.as_dict()[int(ids[0])]
     assert got == pytest.approx(float(exact), rel=1e-6)
     assert float(report.min_eig.max()) <= 1.0 + 1e-12
+
+
+def test_an_example_whose_block_is_not_positive_definite_is_refit_even_when_refits_are_off():
+    # Two nearly identical columns alone span a direction: M_i is singular to rounding and its Cholesky fails.
+    x_f, d, gram, r, ids = problem(0, n=6, sizes=(2, 2, 2))
+    lone = ids == ids[0]
+    x_f[5, :] = 0.0
+    x_f[5, lone] = torch.tensor([1e3, 1e3 * (1 + 1e-9)], dtype=torch.float64)
+    x_f[:5, lone] = x_f[:5, lone][:, :1]
+    gram[5, :] = 0.0
+    gram[:, 5] = 0.0
+    mu = 1e-12
+    report = influence_report(x_f, d, gram, r, ids, ridge=mu, refit_flagged=False)
+    row = int(torch.nonzero(report.example_ids == ids[0]))
+    assert bool(report.flagged[row]) and bool(report.refit[row])
+    assert int(report.refit.sum()) == 1  # the others keep their Woodbury values
+    p = solve_edit(x_f, d, gram, r, ridge=mu)
+    exact = float(torch.linalg.matrix_norm(p - refit_without(x_f, d, gram, r, ids, int(ids[0]), 1.0, 1.0, mu)))
+    assert float(report.norms[row]) == pytest.approx(exact, rel=1e-4)
+
+
+def test_refits_solve_the_same_jittered_system_as_the_edit():
+    # A retain Gram of rank 3 at scale 1e18 with mu = 1e-12: A's Cholesky needs jitter, and P was solved with it.
+    gen = torch.Generator().manual_seed(0)
+    x_r = torch.randn(8, 3, generator=gen, dtype=torch.float64) * 1e9
+    gram = x_r @ x_r.T
+    x_f = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    d = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    ids = torch.tensor([0, 0, 1, 2, 3])
+    mu = 1e-12
+    system = factor_system(x_f, gram, 3, ridge=mu)
+    assert system.jitter > 0
+    p = system.c * d @ system.solve(x_f).T
+    report = influence_report(x_f, d, gram, 3, ids, ridge=mu, leverage_threshold=1.0)  # every example refit
+    assert bool(report.refit.all())
+    for example, value in report.as_dict().items():
+        exact = torch.linalg.matrix_norm(p - refit_without(x_f, d, gram, 3, ids, example, 1.0, 1.0, mu + system.jitter))
+        assert value == pytest.approx(float(exact), rel=1e-4)

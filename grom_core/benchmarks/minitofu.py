@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,11 +26,13 @@ RETAIN_OF = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain
 
 
 def tofu_data_dir() -> Path:
-    """The shipped TOFU files (real authors, world facts, I-don't-know answers, logs): `data/tofu` in the repo."""
+    """The shipped TOFU files (real authors, world facts, I-don't-know answers, logs): package data of grom_core
+    (`grom_core/resources/tofu`), so a non-editable install finds them too; GROM_TOFU_DATA overrides."""
     import os
+    from importlib import resources
 
     env = os.environ.get("GROM_TOFU_DATA")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "tofu"
+    path = Path(env) if env else Path(str(resources.files("grom_core") / "resources" / "tofu"))
     if not (path / "real_authors_perturbed.json").is_file():
         raise DataError(f"TOFU data files not found in {path}; set GROM_TOFU_DATA to the folder holding "
                         f"real_authors_perturbed.json and world_facts_perturbed.json")
@@ -145,3 +148,31 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
         "forget_generated": sets["forget"].generated,
     }
     return {"metrics": metrics, "per_question": per_question, "n": {k: len(v.gt_nll) for k, v in sets.items()}}
+
+
+TOFU_FILES = {"retain_eval": "retain_perturbed", "real_authors": "real_authors_perturbed",
+              "world_facts": "world_facts_perturbed"}
+
+
+def tofu_splits_from_files(directory: str | Path, forget_split: str, read: Callable[[Path, str], list[dict]],
+                           suffixes: Sequence[str] = (".json", ".jsonl")) -> dict[str, list[dict]]:
+    """The real TOFU evaluation files of a local folder (as the TOFU dataset names them) as minitofu-style splits.
+
+    Expects `<forget_split>_perturbed`, `retain_perturbed`, `real_authors_perturbed` and `world_facts_perturbed`
+    with one of `suffixes`; `read(path, "tofu_eval")` reads and checks one file (the caller's reader, which may
+    know more formats than this module).
+    """
+    directory = Path(directory)
+
+    def find(stem: str) -> Path:
+        for suffix in suffixes:
+            if (directory / f"{stem}{suffix}").is_file():
+                return directory / f"{stem}{suffix}"
+        raise DataError(f"{directory} has no {stem}{'/'.join(suffixes)}; the TOFU evaluation files are needed")
+
+    splits = {forget_split: read(find(f"{forget_split}_perturbed"), "tofu_eval")}
+    for key, stem in TOFU_FILES.items():
+        splits[key] = read(find(stem), "tofu_eval")
+    for key in ("real_authors", "world_facts"):
+        splits[key] = [{**r, "paraphrased_answer": r["answer"]} for r in splits[key]]
+    return splits

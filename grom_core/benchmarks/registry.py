@@ -1,10 +1,13 @@
 """The shipped benchmarks: one registry entry per benchmark, and `build` (splits to JSONL, target and retain models).
 
+Each benchmark owns its data (generated, or read from the user's files), its evaluation, the reference file its
+metrics compare against and the metric keys it exports; the flows ask this registry and never branch on a name.
 Adding a benchmark is one module with `generate`, `training_rows` and `evaluate`, plus one entry here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -13,39 +16,68 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grom_core.benchmarks import minimuse, minitofu, miniwmdp
-from grom_core.data import as_examples
+from grom_core.data import as_examples, read_json_object
 from grom_core.errors import DataError
 from grom_core.finetune import example_texts, train_tiny_model
 from grom_core.fingerprint import data_digest
+from grom_core.metrics.tofu_logs import read_tofu_log, write_reference
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class MetricKeys:
+    """The metric names a benchmark exports (flat keys of its `metrics` dict).
+
+    Attributes:
+        forget: the headline forget metric (lower means more forgotten).
+        utility: the headline utility metric (higher is better).
+        recovery: forget metrics whose rise after quantization means the forgetting came back.
+        table: what tables show, most important first (`grom bench` shows the first three).
+    """
+
+    forget: str
+    utility: str
+    recovery: tuple[str, ...]
+    table: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Benchmark:
-    """One shipped benchmark.
+    """One benchmark: its data, its evaluation, its reference file and its metric keys.
 
     Attributes:
         name: registry name.
-        config: its generator and training configuration (a frozen dataclass with `model` and `train`).
-        generate: config -> split name -> rows.
+        config: its generator and training configuration (a frozen dataclass with `model` and `train`); None for
+            a benchmark read from files.
+        generate: config -> split name -> rows (None: read from files with `load_files`).
         training_rows: (splits, without forget split or None) -> rows a model is trained on.
-        evaluate: (model, tokenizer, splits, forget split, reference) -> {"metrics", "per_question", "n"}.
+        evaluate: (model, tokenizer, splits, forget split, reference, batch_size=, max_new_tokens=) ->
+            {"metrics", "per_question", "n"}.
         forget_splits: forget split -> the retain split trained without it.
         default_split: the forget split used when none is named.
-        unlearning_inputs: forget split -> (forget rows, retain rows) handed to an unlearning method.
-        grom_params: GromParams overrides tuned for this benchmark (as MEMIT keeps hyper-parameters per model).
+        unlearning_inputs: (splits, forget split) -> (forget rows, retain rows) handed to an unlearning method.
+        metrics: the metric keys it exports.
+        read_reference: path -> the retain model's per-question values a metric compares against (or None).
+        write_reference: (path, split, evaluation result) -> path: writes what `read_reference` reads.
+        method_params: method name -> parameter overrides for this benchmark (as MEMIT keeps them per model).
+        load_files: (folder, forget split, read) -> splits, for a benchmark whose data the user holds (real
+            TOFU); `read(path, layout)` reads and checks one file.
     """
 
     name: str
-    config: object
-    generate: Callable
-    training_rows: Callable
+    config: object | None
+    generate: Callable | None
+    training_rows: Callable | None
     evaluate: Callable
     forget_splits: dict[str, str]
     default_split: str
     unlearning_inputs: Callable
-    grom_params: dict = field(default_factory=dict)
+    metrics: MetricKeys
+    read_reference: Callable[[Path], object]
+    write_reference: Callable[[Path, str, dict], Path]
+    method_params: dict[str, dict] = field(default_factory=dict)
+    load_files: Callable[..., dict[str, list[dict]]] | None = None
 
 
 def _tofu_inputs(splits: dict, split: str) -> tuple[list[dict], list[dict]]:
@@ -62,30 +94,99 @@ def _wmdp_inputs(splits: dict, split: str) -> tuple[list[dict], list[dict]]:
     return splits["forget_corpus"], splits["retain_corpus"]
 
 
+def _read_tofu_reference(path: Path):
+    ratios = read_tofu_log(path).forget_truth_ratios
+    if ratios.size == 0:
+        raise DataError(f"{path} holds no per-question forget truth ratios; write it with "
+                        f"`grom evaluate --save-reference`")
+    return ratios
+
+
+def _write_tofu_reference(path: Path, split: str, result: dict) -> Path:
+    return write_reference(path, result["metrics"], result["per_question"]["forget_truth_ratio"])
+
+
+def _read_muse_reference(path: Path) -> float:
+    auc = read_json_object(path, "reference file").get("per_question", {}).get("auc")
+    if auc is None:
+        raise DataError(f"{path} has no per_question.auc; write it with `grom evaluate --save-reference`")
+    return float(auc)
+
+
+def _no_reference(path: Path) -> None:
+    return None
+
+
+def _write_json_reference(path: Path, split: str, result: dict) -> Path:
+    """The evaluation's metrics and per-question values as JSON (what `_read_muse_reference` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"split": split, "metrics": result["metrics"],
+                                "per_question": result["per_question"]}, indent=1))
+    return path
+
+
+def _muse_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 16, max_new_tokens: int = 0):
+    return minimuse.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size)
+
+
+def _wmdp_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 32, max_new_tokens: int = 0):
+    return miniwmdp.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size)
+
+
+TOFU_METRICS = MetricKeys(forget="forget_rougeL_recall", utility="model_utility",
+                          recovery=("forget_rougeL_recall", "forget_probability"),
+                          table=("forget_rougeL_recall", "forget_quality", "model_utility", "forget_probability",
+                                 "forget_truth_ratio", "retain_rougeL_recall", "retain_probability"))
+MUSE_METRICS = MetricKeys(forget="verbmem_rougeL_f1", utility="utility_preservation_rougeL_f1",
+                          recovery=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1"),
+                          table=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1", "utility_preservation_rougeL_f1",
+                                 "privleak", "mia_auc"))
+WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", recovery=("forget_accuracy",),
+                          table=("forget_accuracy", "retain_accuracy", "chance_accuracy"))
+
+
+# Adding a benchmark: one module (generate, training_rows, evaluate) plus one entry here.
+BENCHMARKS: dict[str, Benchmark] = {
+    "minitofu": Benchmark("minitofu", minitofu.MiniTofuConfig(), minitofu.generate, minitofu.training_rows,
+                          minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs, TOFU_METRICS,
+                          _read_tofu_reference, _write_tofu_reference,
+                          # minitofu's facts are shared between authors, so token specificity is low: suppress
+                          # every answer token in proportion to it, and ask for a larger drop (measured: forget
+                          # ROUGE-L 1.0 -> 0.38, retain probability -9%, Forget Quality 4e-4 -> 7e-4)
+                          method_params={"grom": {"sharpness": 1.0, "threshold": 0.0, "beta": 80.0}}),
+    "tofu": Benchmark("tofu", None, None, None, minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10",
+                      _tofu_inputs, TOFU_METRICS, _read_tofu_reference, _write_tofu_reference,
+                      load_files=minitofu.tofu_splits_from_files),
+    "minimuse": Benchmark("minimuse", minimuse.MiniMuseConfig(), minimuse.generate, minimuse.training_rows,
+                          _muse_evaluate, {"forget": "retain"}, "forget", _muse_inputs, MUSE_METRICS,
+                          _read_muse_reference, _write_json_reference),
+    "miniwmdp": Benchmark("miniwmdp", miniwmdp.MiniWmdpConfig(), miniwmdp.generate, miniwmdp.training_rows,
+                          _wmdp_evaluate, {"forget": "retain"}, "forget", _wmdp_inputs, WMDP_METRICS,
+                          _no_reference, _write_json_reference),
+}
+
+
 def benchmarks() -> dict[str, Benchmark]:
-    """The registry (built on call, so that nothing is configured at import time)."""
-    return {
-        "minitofu": Benchmark("minitofu", minitofu.MiniTofuConfig(), minitofu.generate, minitofu.training_rows,
-                              minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs,
-                              # minitofu's facts are shared between authors, so token specificity is low: suppress
-                              # every answer token in proportion to it, and ask for a larger drop (measured: forget
-                              # ROUGE-L 1.0 -> 0.38, retain probability -9%, Forget Quality 4e-4 -> 7e-4)
-                              grom_params={"sharpness": 1.0, "threshold": 0.0, "beta": 80.0}),
-        "minimuse": Benchmark("minimuse", minimuse.MiniMuseConfig(), minimuse.generate, minimuse.training_rows,
-                              minimuse.evaluate, {"forget": "retain"}, "forget", _muse_inputs),
-        "miniwmdp": Benchmark("miniwmdp", miniwmdp.MiniWmdpConfig(), miniwmdp.generate, miniwmdp.training_rows,
-                              miniwmdp.evaluate, {"forget": "retain"}, "forget", _wmdp_inputs),
-    }
+    """The registry."""
+    return BENCHMARKS
 
 
 def get_benchmark(name: str, config: object | None = None) -> Benchmark:
     registry = benchmarks()
     if name not in registry:
-        raise DataError(f"unknown benchmark '{name}'; shipped benchmarks: {', '.join(sorted(registry))}")
+        raise DataError(f"unknown benchmark '{name}'; benchmarks: {', '.join(registry)}")
     bench = registry[name]
     if config is not None:
-        bench = Benchmark(**{**bench.__dict__, "config": config})
+        bench = dataclasses.replace(bench, config=config)
     return bench
+
+
+def check_split(bench: Benchmark, split: str | None) -> str:
+    split = split or bench.default_split
+    if split not in bench.forget_splits:
+        raise DataError(f"{bench.name} has no forget split '{split}'; choose one of {sorted(bench.forget_splits)}")
+    return split
 
 
 @dataclass
@@ -107,6 +208,28 @@ class BuiltBenchmark:
     def load_splits(self) -> dict[str, list[dict]]:
         return {name: read_split(path) for name, path in self.splits.items()}
 
+    def unlearning_inputs(self) -> tuple[list[dict], list[dict]]:
+        """(forget rows, retain rows) an unlearning method gets for this build's forget split."""
+        return get_benchmark(self.name).unlearning_inputs(self.load_splits(), self.split)
+
+    def unlearning_files(self) -> tuple[Path, Path]:
+        """The unlearning inputs as JSONL files (what `grom unlearn` and the flows read)."""
+        paths = []
+        for role, rows in zip(("forget", "retain"), self.unlearning_inputs(), strict=True):
+            path = self.root / "unlearning" / f"{self.split}-{role}.jsonl"
+            write_jsonl(path, rows)
+            paths.append(path)
+        return paths[0], paths[1]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """Write rows as JSON lines, leaving an identical file untouched (its mtime too)."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
 
 def read_split(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -125,19 +248,14 @@ def build(name: str, out: str | Path, *, split: str | None = None, config: objec
     are cached under `out/models` by a digest of their training data and configuration.
     """
     bench = get_benchmark(name, config)
-    split = split or bench.default_split
-    if split not in bench.forget_splits:
-        raise DataError(f"{name} has no forget split '{split}'; choose one of {sorted(bench.forget_splits)}")
+    split = check_split(bench, split)
+    if bench.generate is None:
+        raise DataError(f"{name} is read from files, not built: give the folder holding its files (--data-dir)")
     root = Path(out) / f"{name}-{_digest(bench)}"
     splits = bench.generate(bench.config)
     paths = {}
-    (root / "splits").mkdir(parents=True, exist_ok=True)
     for split_name, rows in splits.items():
-        path = root / "splits" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', split_name)}.jsonl"
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-        paths[split_name] = path
+        paths[split_name] = write_jsonl(root / "splits" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', split_name)}.jsonl", rows)
     log.info("%s: %d splits written to %s", name, len(paths), root / "splits")
     models: dict[str, Path] = {}
     if train_models:

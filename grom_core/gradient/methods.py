@@ -2,7 +2,7 @@
 
 A method splits its loss into a forget objective L_f (auxiliary) and a retain objective L_r (primary); the trainer
 takes their gradients separately and a composer combines them (gamma weighs L_f, alpha weighs L_r). Adding a method
-is one dataclass, one `forget_loss` function and one registry line.
+is one dataclass, one `forget_loss` function and one line in the method registry (`grom_core.methods`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,52 @@ from dataclasses import dataclass
 import torch
 
 from grom_core.gradient import losses
+from grom_core.params import Params, ParamsError
 
 
 @dataclass(frozen=True)
-class MethodParams:
+class TrainerParams(Params):
+    """The recipe, the same for every method. TOFU's is lr 1e-5, 10 epochs, effective batch 32, AdamW on 7B
+    models; tiny models need a larger lr (units: AdamW step size). The effective batch is batch_size x
+    grad_accum examples; max_length is in tokens."""
+
+    lr: float = 1e-3
+    epochs: int = 10
+    batch_size: int = 8
+    grad_accum: int = 4
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    max_length: int = 512
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1 or self.max_length < 2:
+            raise ParamsError("TrainerParams needs lr > 0, epochs >= 1, batch_size >= 1, grad_accum >= 1 and "
+                              "max_length >= 2")
+
+
+@dataclass(frozen=True)
+class MethodParams(Params):
     """Shared knobs. gamma: weight of the forget objective; alpha: weight of the retain objective (0 = none);
-    retain_loss: "nll" (retain answers' NLL) or "kl" (KL to the frozen original model on retain inputs)."""
+    retain_loss: "nll" (retain answers' NLL) or "kl" (KL to the frozen original model on retain inputs);
+    compose: how the forget and retain gradients are combined (a name in COMPOSERS); trainer: the recipe."""
 
     gamma: float = 1.0
     alpha: float = 1.0
     retain_loss: str = "nll"
+    compose: str = "sum"
+    trainer: TrainerParams = TrainerParams()
+
+    def validate(self) -> None:
+        from grom_core.gradient.composition import COMPOSERS
+
+        if self.retain_loss not in ("nll", "kl"):
+            raise ParamsError(f"retain_loss must be 'nll' or 'kl', got '{self.retain_loss}'")
+        if self.compose not in COMPOSERS:
+            raise ParamsError(f"unknown composer '{self.compose}'; choose one of {', '.join(sorted(COMPOSERS))}")
+        if self.gamma <= 0 or self.alpha < 0:
+            raise ParamsError("need gamma > 0 and alpha >= 0")
+        self.trainer.validate()
 
 
 @dataclass(frozen=True)
@@ -81,19 +117,9 @@ def idkdpo_forget(out: ForgetBatchOutputs, p: IdkDPOParams) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Method:
-    """A registry entry: its parameter class, its forget objective, and what that objective needs computed."""
+class Objective:
+    """A gradient method's forget objective and what it needs computed besides the model's own log-probs."""
 
-    params: type[MethodParams]
     forget_loss: Callable[[ForgetBatchOutputs, MethodParams], torch.Tensor]
     needs_reference: bool = False
     needs_idk: bool = False
-
-
-METHODS: dict[str, Method] = {
-    "ga": Method(GAParams, ga_forget),
-    "graddiff": Method(GradDiffParams, ga_forget),
-    "npo": Method(NPOParams, npo_forget, needs_reference=True),
-    "simnpo": Method(SimNPOParams, simnpo_forget),
-    "idkdpo": Method(IdkDPOParams, idkdpo_forget, needs_reference=True, needs_idk=True),
-}

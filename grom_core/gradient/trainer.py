@@ -15,7 +15,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,24 +29,9 @@ from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.gradient.composition import COMPOSERS
 from grom_core.gradient.losses import answer_logprobs, kl_to_reference, nll
-from grom_core.gradient.methods import METHODS, ForgetBatchOutputs, MethodParams
+from grom_core.gradient.methods import ForgetBatchOutputs, MethodParams, Objective
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainerParams:
-    """The recipe, the same for every method. TOFU's is lr 1e-5, 10 epochs, effective batch 32, AdamW on 7B
-    models; tiny models need a larger lr (units: AdamW step size)."""
-
-    lr: float = 1e-3
-    epochs: int = 10
-    batch_size: int = 8
-    grad_accum: int = 4
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    max_length: int = 512
 
 
 @dataclass
@@ -59,7 +44,7 @@ class GradientRun:
 
 
 def idk_answers(path: str | Path | None = None) -> list[str]:
-    """The "I don't know" answers of TOFU (data/tofu/idontknow.jsonl: one sentence per line)."""
+    """The "I don't know" answers of TOFU (grom_core/resources/tofu/idontknow.jsonl: one sentence per line)."""
     from grom_core.benchmarks.minitofu import tofu_data_dir
 
     path = Path(path) if path else tofu_data_dir() / "idontknow.jsonl"
@@ -78,19 +63,30 @@ def _sequence_outputs(model, batch):
     return out.logits, logp, lengths
 
 
-def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = "npo", compose: str = "sum",
-                     method_params: MethodParams | None = None, trainer: TrainerParams = TrainerParams()
-                     ) -> GradientRun:
+def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = "npo",
+                     params: MethodParams | None = None) -> GradientRun:
+    """`train` with a gradient method of the registry by name (its default parameters unless `params`)."""
+    from grom_core.methods import get_method
+
+    entry = get_method(method)
+    if entry.objective is None:
+        raise DataError(f"'{method}' is not a gradient method; call run_grom for the closed form")
+    return train(model, tokenizer, forget, retain, params or entry.params(), entry.objective, name=method)
+
+
+def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, objective: Objective,
+          name: str = "gradient") -> GradientRun:
     """Train `model` to forget `forget` and keep `retain` with a gradient method; return the weight deltas as an Edit.
+
+    Args:
+        params: the method's parameters, with its composer (`params.compose`) and recipe (`params.trainer`).
+        objective: its forget loss and what that loss needs (a frozen reference model, "I don't know" answers).
+        name: the method's name, for logs and the edit's parameters.
 
     The model's weights are the same before and after the call (restored exactly); apply the returned edit.
     """
-    if method not in METHODS:
-        raise DataError(f"unknown method '{method}'; choose one of {', '.join(sorted(METHODS))}")
-    if compose not in COMPOSERS:
-        raise DataError(f"unknown composer '{compose}'; choose one of {', '.join(sorted(COMPOSERS))}")
-    spec = METHODS[method]
-    params = method_params or spec.params()
+    params.validate()
+    spec, trainer, compose = objective, params.trainer, params.compose
     forget_ex, retain_ex = as_examples(forget), as_examples(retain)
     if any(ex.question is None for ex in forget_ex) and spec.needs_idk:
         raise DataError("IdkDPO needs question/answer forget examples (the preferred answer is an 'I don't know')")
@@ -164,7 +160,7 @@ def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = 
                 steps += 1
             history.append({"epoch": epoch + 1, "forget_loss": epoch_f / len(forget_batches),
                             "retain_loss": epoch_r / len(forget_batches)})
-            log.info("%s+%s: epoch %d/%d, forget loss %.4f, retain loss %.4f, %d steps", method, compose, epoch + 1,
+            log.info("%s+%s: epoch %d/%d, forget loss %.4f, retain loss %.4f, %d steps", name, compose, epoch + 1,
                      trainer.epochs, history[-1]["forget_loss"], history[-1]["retain_loss"], steps)
         deltas = {}
         with torch.no_grad():
@@ -185,7 +181,7 @@ def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = 
             p.grad = None
         model.train(was_training)
     edit = Edit(deltas=deltas, base_fingerprint=base_fingerprint,
-                params={"method": method, "compose": compose, **asdict(params), **asdict(trainer)},
+                params={"method": name, **params.to_dict()},
                 metadata={"steps": steps, "forward_passes": passes, "history": history,
                           "forget_examples": len(forget_ex), "retain_examples": len(retain_ex)})
     return GradientRun(edit=edit, steps=steps, seconds=time.perf_counter() - start, forward_passes=passes,

@@ -1,0 +1,147 @@
+"""The method registry: name -> (typed parameters, entry point returning an Edit).
+
+Every unlearning method, the closed form and the gradient methods alike, is one `Method` entry. Its entry point
+takes the model, the tokenizer, the forget and retain examples, its parameters and a `MethodContext`, leaves the
+model's weights as they were, and returns a `MethodRun` whose `edit` is applied (and reverted) by the caller:
+
+    entry = get_method("npo")
+    run = entry.run(model, tokenizer, forget, retain, entry.params.from_dict({"beta": 0.2}), MethodContext())
+    run.edit.apply(model)
+
+The command line's choices and help, `grom bench`'s rows, the flows and the tests all derive from `METHODS`.
+Adding a method is one module (its `Params` dataclass and entry point) plus one line below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from grom_core.adapter import ModelAdapter
+from grom_core.closed_form import GromParams, SolveRecord, run_grom
+from grom_core.edit import Edit
+from grom_core.errors import DataError
+from grom_core.gradient import methods as gradient
+from grom_core.gradient.trainer import train
+from grom_core.params import Params
+from grom_core.statistics import GramStats, StatsComputer, StatsStore
+
+
+@dataclass(frozen=True)
+class MethodContext:
+    """What the caller lends a method besides its data: hand-named modules, and where retain statistics are cached
+    or computed (used by methods that need them; others ignore it)."""
+
+    adapter: ModelAdapter | None = None
+    stats_store: StatsStore | None = None
+    compute_stats: StatsComputer | None = None
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """What a method returns.
+
+    Attributes:
+        edit: the weight deltas (unapplied).
+        steps: optimizer steps taken (0 for a closed form).
+        forward_passes: forward passes over a batch (None where not counted).
+        layers: the layers a locate-then-edit method chose.
+        layer_scores: one row per layer {"layer", "forget", "retain", "score"} when layers were scored.
+        records: module -> the keys and targets its solve used (closed forms; what the influence audit needs).
+        retain_stats: module -> the retain statistics the solve used.
+        reused_stats: modules whose retain statistics came from a cache.
+        timings_s: the method's own stages, in seconds.
+    """
+
+    edit: Edit
+    steps: int = 0
+    forward_passes: int | None = None
+    layers: tuple[int, ...] = ()
+    layer_scores: tuple[dict, ...] = ()
+    records: Mapping[str, SolveRecord] = field(default_factory=dict)
+    retain_stats: Mapping[str, GramStats] = field(default_factory=dict)
+    reused_stats: tuple[str, ...] = ()
+    timings_s: Mapping[str, float] = field(default_factory=dict)
+
+
+EntryPoint = Callable[[nn.Module, object, Sequence, Sequence, Params, MethodContext], MethodRun]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registry entry.
+
+    Attributes:
+        name: what users type (`--method NAME`).
+        params: its parameter dataclass (a `Params`; defaults are the method's published ones).
+        run: the entry point.
+        summary: one line for help texts and tables.
+        objective: the forget objective of a gradient method (None for other methods).
+    """
+
+    name: str
+    params: type[Params]
+    run: EntryPoint
+    summary: str
+    objective: gradient.Objective | None = None
+
+
+def closed_form(model, tokenizer, forget, retain, params: GromParams, context: MethodContext) -> MethodRun:
+    """GROM. The influence audit is left to the caller (it needs only `records` and `retain_stats`)."""
+    run = run_grom(model, tokenizer, forget, retain, params.replace(influence=False), adapter=context.adapter,
+                   stats_store=context.stats_store, compute_stats=context.compute_stats)
+    scores = run.layer_scores.as_rows() if run.layer_scores is not None else []
+    return MethodRun(edit=run.edit, forward_passes=None, layers=tuple(run.layers),
+                     layer_scores=tuple({**r, "chosen": r["layer"] in run.layers} for r in scores),
+                     records=run.records, retain_stats=run.retain_stats, reused_stats=tuple(run.reused_stats),
+                     timings_s=run.timings_s)
+
+
+def gradient_method(name: str, params: type[gradient.MethodParams], objective: gradient.Objective,
+                     summary: str) -> Method:
+    """A registry entry for a gradient method: its parameters, its forget objective, the shared trainer."""
+
+    def run(model, tokenizer, forget, retain, p: gradient.MethodParams, context: MethodContext) -> MethodRun:
+        out = train(model, tokenizer, forget, retain, p, objective, name=name)
+        return MethodRun(edit=out.edit, steps=out.steps, forward_passes=out.forward_passes,
+                         timings_s={"train": out.seconds})
+
+    return Method(name, params, run, summary, objective)
+
+
+DEFAULT_METHOD = "grom"
+
+METHODS: dict[str, Method] = {
+    "grom": Method("grom", GromParams, closed_form, "closed-form edit (forward passes and one solve per module)"),
+    "ga": gradient_method("ga", gradient.GAParams, gradient.Objective(gradient.ga_forget), "gradient ascent"),
+    "graddiff": gradient_method("graddiff", gradient.GradDiffParams, gradient.Objective(gradient.ga_forget),
+                                 "gradient difference (ascent on forget, descent on retain)"),
+    "npo": gradient_method("npo", gradient.NPOParams,
+                            gradient.Objective(gradient.npo_forget, needs_reference=True),
+                            "negative preference optimisation"),
+    "simnpo": gradient_method("simnpo", gradient.SimNPOParams, gradient.Objective(gradient.simnpo_forget),
+                               "reference-free NPO"),
+    "idkdpo": gradient_method("idkdpo", gradient.IdkDPOParams,
+                               gradient.Objective(gradient.idkdpo_forget, needs_reference=True, needs_idk=True),
+                               "DPO towards 'I don't know' answers"),
+}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise DataError(f"unknown method '{name}'; choose one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_params(name: str, values: Mapping | None = None) -> Params:
+    """The parameters of method `name` from a JSON-like mapping (checked: unknown keys, types, ranges)."""
+    method = get_method(name)
+    if "compose" in (values or {}) and method.objective is None:
+        raise DataError(f"compose applies to gradient methods only; {name} has no gradients to compose")
+    return method.params.from_dict(values)
+
+
+def methods_help() -> str:
+    return "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())

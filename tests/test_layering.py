@@ -1,0 +1,81 @@
+"""The architecture's layering, checked on the source: grom_core is a library that imports nothing from the
+orchestration stack or the layers above it; tasks never import flows. Also: the shipped data is package data."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ORCHESTRATION = {"prefect", "mlflow", "duckdb", "pyarrow", "dask", "distributed"}
+FORBIDDEN = {
+    "grom_core": ORCHESTRATION | {"tasks", "flows"},
+    "tasks": {"flows"},
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level package names imported anywhere in the file, inside functions too."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_nothing_from_the_layers_above(package):
+    offenders = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        bad = imported_modules(path) & FORBIDDEN[package]
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert offenders == {}, f"{package} must not import {sorted(FORBIDDEN[package])}: {offenders}"
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import os\n\ndef f():\n    from flows.evaluation import build\n    import prefect.tasks\n")
+    assert imported_modules(source) == {"os", "flows", "prefect"}
+
+
+def test_shipped_tofu_files_are_package_data():
+    import tomllib
+
+    from grom_core.benchmarks.minitofu import tofu_data_dir
+
+    folder = tofu_data_dir()
+    assert folder.is_relative_to(ROOT / "grom_core")  # inside the package, not beside the checkout
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["grom_core"]
+    shipped = {p.relative_to(ROOT / "grom_core") for p in folder.rglob("*") if p.is_file()}
+    covered = {p for p in shipped if any(p.match(pattern) for pattern in patterns)}
+    assert shipped and covered == shipped
+
+
+def test_a_non_editable_install_finds_the_shipped_data(tmp_path):
+    """Build the wheel from a copy of the sources, install it elsewhere, and read the TOFU files from there."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("grom_core", "tasks", "flows"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)], check=True,
+                   cwd=tmp_path)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), *map(str, wheels.glob("*.whl"))],
+                   check=True, cwd=tmp_path)
+    probe = ("from grom_core.benchmarks.minitofu import real_world_rows, tofu_data_dir; "
+             "print(tofu_data_dir()); print(len(real_world_rows('world_facts')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder, count = done.stdout.split()
+    assert folder.startswith(str(target)) and int(count) > 50
