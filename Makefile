@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run make PYTHON=python3)"; exit 1; }
@@ -24,6 +24,10 @@ lint: $(BIN)/.installed
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# the fast tier alone: core math, metrics, data, catalog and storage glue (no flows, no CLI)
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not e2e"
 
 clean:
 	rm -rf $(VENV) .grom .pytest_cache .ruff_cache

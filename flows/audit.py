@@ -4,23 +4,31 @@ The report holds the edited modules, each forget example's exact leave-one-out i
 request it came from; its text only while that text has not been purged), the metrics before and after, the
 quantization check, the gate decision and the model versions. It is written as Markdown and JSON under
 <workspace>/audits/ and logged to the MLflow run that made the edit (artifact folder `audit`).
+
+The influence values are exact leave-one-out changes of each module's delta with everything else held fixed (the
+keys, targets, specificity weights, layer choice and c = w_forget / s). `refit=N` checks them against reality: the
+method is run again without each of the N most influential examples (whose text is still there) and the real
+change of every module's delta is reported beside the predicted one.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from flows.formatting import fmt, quantization_columns
 from flows.workspace import Workspace
 from grom_core.errors import DataError
 from tasks.catalog import Catalog
 from tasks.requests import get_request
 from tasks.tracking import client
 
-HEADLINE = ("forget_rougeL_recall", "forget_probability", "retain_rougeL_recall", "retain_probability",
-            "forget_quality", "model_utility")
+EXACTNESS = ("Influence is exact leave-one-out for each module with everything else held fixed: the keys, the targets, "
+             "the specificity weights, the layer choice and c = w_forget / s. A real refit also moves those (see the "
+             "refit check, `grom audit ID --refit N`).")
 
 
-def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True) -> dict:
+def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True, refit: int = 0) -> dict:
     ws = Workspace.resolve(home)
     catalog = Catalog(ws.root / "catalog.duckdb")
     edit_id = _edit_of(catalog, identifier)
@@ -49,6 +57,8 @@ def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True) 
         "influence": _influence(catalog, edit_id, requests),
         "mlflow_run_id": run.get("mlflow_run_id"),
     }
+    if refit:
+        report["refit"] = refit_check(ws, edit, run, report["influence"], refit)
     out = ws.root / "audits"
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{edit_id}.json", out / f"{edit_id}.md"
@@ -98,8 +108,44 @@ def _influence(catalog: Catalog, edit_id: str, requests: list[dict]) -> list[dic
     return sorted(examples.values(), key=lambda e: -e["total"])
 
 
-def _fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+def refit_check(ws: Workspace, edit: dict, run: dict, influence: list[dict], n: int) -> list[dict]:
+    """Run the edit's method again without each of the `n` most influential forget examples whose text is still
+    there; one row per (example, module) with the predicted (audit) and the actual change of the delta."""
+    import pyarrow.parquet as pq
+
+    from grom_core.edit import Edit
+    from grom_core.fingerprint import weights_fingerprint
+    from grom_core.methods import MethodContext, method_params, refit_without
+    from tasks.lake import LakeStatsStore, dataset_path
+    from tasks.records import TEXT_COLUMNS
+    from tasks.steps import load_for_edit
+
+    if not influence:
+        raise DataError(f"edit {edit['edit_id']} ({edit['method']}) has no influence audit: nothing to check")
+    base = run.get("base_model_dir")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise DataError(f"the model edit {edit['edit_id']} started from is not recorded or its folder {base} is gone; "
+                        f"a refit needs it")
+    lake = ws.root / "lake"
+    tables = {role: pq.read_table(dataset_path(lake, role, run[f"{role}_digest"])).to_pylist()
+              for role in ("forget", "retain")}
+    rows = {role: [{k: v for k, v in r.items() if k in TEXT_COLUMNS and v is not None} for r in table]
+            for role, table in tables.items()}
+    candidates = [e["example_index"] for e in influence if not e["purged"] and rows["forget"][e["example_index"]]]
+    if not candidates:
+        raise DataError(f"the forget text of edit {edit['edit_id']} was purged: it cannot be refit (that is what "
+                        f"purging means)")
+    model, tokenizer = load_for_edit(base)
+    if weights_fingerprint(model) != edit["base_fingerprint"]:
+        raise DataError(f"the weights in {base} are no longer those edit {edit['edit_id']} was computed on")
+    values = {k: v for k, v in json.loads(edit["params"]).items() if k != "method"}
+    params = method_params(edit["method"], values)
+    found = refit_without(edit["method"], model, tokenizer, rows["forget"], rows["retain"], params,
+                          Edit.load(edit["edit_dir"]), candidates[:n], MethodContext(stats_store=LakeStatsStore(lake)))
+    predicted = {e["example_index"]: e["influence"] for e in influence}
+    for row in found:
+        row["predicted"] = predicted[row["example_index"]].get(row["module"])
+    return found
 
 
 def markdown(report: dict) -> str:
@@ -113,8 +159,8 @@ def markdown(report: dict) -> str:
     if report["requests"]:
         lines += ["## Requests", "", "| request | status | version | reason | requester | text purged |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {r['request_id']} | {r['status']} | {_fmt(r['model_version'])} | {_fmt(r['reason'])} | "
-                  f"{_fmt(r['requester'])} | {r['purged']} |" for r in report["requests"]]
+        lines += [f"| {r['request_id']} | {r['status']} | {fmt(r['model_version'])} | {fmt(r['reason'])} | "
+                  f"{fmt(r['requester'])} | {r['purged']} |" for r in report["requests"]]
         lines.append("")
     gates = report["gates"]
     if gates:
@@ -122,21 +168,27 @@ def markdown(report: dict) -> str:
         lines += [f"Gates {verdict}.", ""]
     before, after = report["metrics"]["before"], report["metrics"]["after"]
     lines += ["## Metrics", "", "| metric | before | after |", "|---|---|---|"]
-    lines += [f"| {k} | {_fmt(before.get(k))} | {_fmt(after.get(k))} |" for k in before
+    lines += [f"| {k} | {fmt(before.get(k))} | {fmt(after.get(k))} |" for k in before
               if isinstance(before.get(k), int | float)]
     quant = {k: v for k, v in report["quantization"].items() if isinstance(v, dict)}
     if quant:
-        lines += ["", "## Quantization attack", "", "| attack | forget ROUGE-L | recovery | codes changed |",
-                  "|---|---|---|---|"]
-        lines += [f"| {k} | {_fmt(v.get('forget_rougeL_recall'))} | {_fmt(v.get('recovery_forget_rougeL_recall'))} "
-                  f"| {_fmt(v.get('codes_changed'))} |" for k, v in quant.items()]
+        columns = quantization_columns(quant)
+        lines += ["", "## Quantization attack", "", "| attack | " + " | ".join(columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        lines += [f"| {k} | " + " | ".join(fmt(v.get(c)) for c in columns) + " |" for k, v in quant.items()]
     modules = report["modules"]
     lines += ["", "## Influence of each forget example (leave-one-out, Frobenius norm of the delta change)", "",
+              EXACTNESS, "",
               "| example | request | sha256 | text | " + " | ".join(modules) + " | flagged |",
               "|---|---|---|---|" + "---|" * len(modules) + "---|"]
     for e in report["influence"]:
-        text = "(purged)" if e["purged"] else _fmt(e["text"]).replace("|", "/")[:60]
-        lines.append(f"| {e['example_index']} | {_fmt(e['request_id'])} | {e['sha256'][:12]} | {text} | "
-                     + " | ".join(_fmt(e["influence"].get(m)) for m in modules) + f" | {e['flagged']} |")
+        text = "(purged)" if e["purged"] else fmt(e["text"]).replace("|", "/")[:60]
+        lines.append(f"| {e['example_index']} | {fmt(e['request_id'])} | {e['sha256'][:12]} | {text} | "
+                     + " | ".join(fmt(e["influence"].get(m)) for m in modules) + f" | {e['flagged']} |")
+    if report.get("refit"):
+        lines += ["", "## Refit check (the method run again without the example)", "",
+                  "| example | module | predicted | actual |", "|---|---|---|---|"]
+        lines += [f"| {r['example_index']} | {r['module']} | {fmt(r['predicted'])} | {fmt(r['actual'])} |"
+                  for r in report["refit"]]
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from flows.formatting import fmt, quantization_columns
 from flows.runtime import configure_process
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
@@ -58,7 +59,7 @@ def _metrics_table(title: str, before: dict, after: dict) -> Table:
         table.add_column(column)
     for key, value in before.items():
         if isinstance(value, int | float) or isinstance(after.get(key), int | float):
-            table.add_row(key, _fmt(value), _fmt(after.get(key)))
+            table.add_row(key, fmt(value), fmt(after.get(key)))
     return table
 
 
@@ -75,10 +76,6 @@ def _before_after_table(result: dict) -> Table:
     return table
 
 
-QUANT_COLUMNS = ("forget_rougeL_recall", "recovery_forget_rougeL_recall", "forget_quality", "model_utility",
-                 "codes_changed", "norm_survival")
-
-
 def _quantization_table(result: dict) -> Table | None:
     """One row per quantization attack: the forget metric, its recovery, and how much of the edit survived."""
     quantized = {q: m for q, m in result["metrics"].get("quantized", {}).items() if isinstance(m, dict)}
@@ -86,18 +83,12 @@ def _quantization_table(result: dict) -> Table | None:
         return None
     table = Table(title="after quantize-dequantize (recovery = quantized - unquantized)")
     table.add_column("attack")
-    for column in QUANT_COLUMNS:
+    columns = quantization_columns(quantized)
+    for column in columns:
         table.add_column(column.replace("_", " "))
     for name, metrics in quantized.items():
-        table.add_row(name, *[_fmt(metrics.get(c)) for c in QUANT_COLUMNS])
+        table.add_row(name, *[fmt(metrics.get(c)) for c in columns])
     return table
-
-
-def _fmt(value) -> str:
-    """A table cell: 4 significant digits, and blank for a metric that does not apply (None)."""
-    if value is None:
-        return ""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
@@ -315,11 +306,11 @@ def bench(
                    *[f"{q} {k}" for q in quants for k in columns]):
         table.add_column(column)
     for row in result["rows"]:
-        cells = [row["label"], _fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
-                 _fmt(row["time_ratio_to_closed_form"]), f"{row['peak_rss_mb']:.0f}",
-                 *[_fmt(row["metrics"].get(k)) for k in columns]]
+        cells = [row["label"], fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
+                 fmt(row["time_ratio_to_closed_form"]), f"{row['peak_rss_mb']:.0f}",
+                 *[fmt(row["metrics"].get(k)) for k in columns]]
         for q in quants:
-            cells += [_fmt(row["quantized"].get(q, {}).get(k)) for k in columns]
+            cells += [fmt(row["quantized"].get(q, {}).get(k)) for k in columns]
         table.add_row(*cells)
     t = result["throughput"]
     table.caption = (f"key extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: "
@@ -338,7 +329,7 @@ def _key_values(table: Table, payload: dict) -> Table:
     table.add_column("item")
     table.add_column("value")
     for key, value in payload.items():
-        table.add_row(key, _fmt(value) if not isinstance(value, dict | list) else json.dumps(value, default=str))
+        table.add_row(key, fmt(value) if not isinstance(value, dict | list) else json.dumps(value, default=str))
     return table
 
 
@@ -454,7 +445,7 @@ def request_list(
     for column in REQUEST_COLUMNS:
         table.add_column(column.replace("_", " "))
     for r in result["requests"]:
-        table.add_row(*[_fmt(r.get(c))[:19] for c in REQUEST_COLUMNS])
+        table.add_row(*[fmt(r.get(c))[:19] for c in REQUEST_COLUMNS])
     _emit(result, as_json, table)
 
 
@@ -481,7 +472,7 @@ def request_show(
         examples.add_column(column)
     for e in result["examples"]:
         examples.add_row(str(e["index"]), e["sha256"][:16],
-                         "(purged)" if e["purged"] else _fmt(e["question"] or e["text"]))
+                         "(purged)" if e["purged"] else fmt(e["question"] or e["text"]))
     _emit(result, as_json, summary, events, examples)
 
 
@@ -516,6 +507,8 @@ def request_process(
 @app.command()
 def audit(
     identifier: Annotated[str, typer.Argument(metavar="REQUEST_OR_EDIT_ID", help="A request id or an edit id.")],
+    refit: Annotated[int, typer.Option(min=0, help="Check the influence of the N most influential examples by "
+                                                   "running the method again without each.")] = 0,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -523,7 +516,7 @@ def audit(
     from flows.audit import audit as run_audit
 
     _setup_logging(False)
-    result = run_audit(identifier, home)
+    result = run_audit(identifier, home, refit=refit)
     if as_json:
         _emit(result, True)
     else:

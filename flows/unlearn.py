@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import transaction
 
+from flows.formatting import fmt
 from flows.workspace import Workspace
 from grom_core.profiling import Timings
 from tasks import steps
@@ -162,13 +163,6 @@ def write_report(outcome: Outcome, timings: dict) -> None:
     lines += ["", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in {**timings, **u.timings_s}.items()]
     (plots / "report.md").write_text("\n".join(lines) + "\n")
-
-
-def fmt(value) -> str:
-    """A table cell: 4 significant digits, and blank for a metric that does not apply (None)."""
-    if value is None:
-        return ""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def publish(result: dict) -> None:

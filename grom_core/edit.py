@@ -83,6 +83,20 @@ class ModuleDelta:
         # ||L R||_F^2 = trace((L^T L)(R R^T)): no (out, in) matrix needed
         return float(((self.left.T @ self.left) * (self.right @ self.right.T)).sum().clamp_min(0).sqrt())
 
+    def distance(self, other: ModuleDelta | None) -> float:
+        """||self - other||_F (other None: ||self||_F). Two factored deltas are compared through their stacked
+        factors, [L1, -L2] [R1; R2], so no (out, in) matrix is formed."""
+        if other is None:
+            return self.frobenius_norm()
+        if other.shape != self.shape:
+            raise ShapeMismatchError(f"cannot compare deltas of {self.name} {self.shape} and {other.name} "
+                                     f"{other.shape}")
+        if self.factored and other.factored:
+            stacked = ModuleDelta(name=self.name, shape=self.shape, left=torch.cat([self.left, -other.left], dim=1),
+                                  right=torch.cat([self.right, other.right], dim=0))
+            return stacked.frobenius_norm()
+        return float(torch.linalg.matrix_norm(self.full() - other.full()))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.factored:
             return {f"{self.name}::left": self.left, f"{self.name}::right": self.right}

@@ -145,3 +145,27 @@ def method_params(name: str, values: Mapping | None = None) -> Params:
 
 def methods_help() -> str:
     return "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+
+
+def refit_without(method: str, model, tokenizer, forget: Sequence, retain: Sequence, params: Params, edit: Edit,
+                  examples: Sequence[int], context: MethodContext | None = None) -> list[dict]:
+    """The real change of each module's delta when forget example i is left out and the method is run again.
+
+    The check of an influence audit: the audit's leave-one-out values are exact for one module with everything
+    else held fixed (keys, targets, specificity weights, layer choice, c = w_forget / s); a real refit lets all of
+    those move. Returns one row per (example, module): {"example_index", "module", "actual"}, the Frobenius norm
+    of the difference of the deltas (a module that only one of the two edits touches counts whole)."""
+    entry = get_method(method)
+    rows = []
+    for index in examples:
+        if not 0 <= index < len(forget):
+            raise DataError(f"forget example {index} does not exist (0..{len(forget) - 1})")
+        kept = [row for i, row in enumerate(forget) if i != index]
+        if not kept:
+            raise DataError("a refit needs at least two forget examples")
+        refit = entry.run(model, tokenizer, kept, retain, params, context or MethodContext()).edit
+        for module in sorted(set(edit.deltas) | set(refit.deltas)):
+            mine, theirs = edit.deltas.get(module), refit.deltas.get(module)
+            actual = mine.distance(theirs) if mine is not None else theirs.distance(None)
+            rows.append({"example_index": index, "module": module, "actual": actual})
+    return rows

@@ -54,6 +54,8 @@ SCHEMA = [
         run_id VARCHAR, review_reasons JSON, purged BOOLEAN DEFAULT FALSE)""",
     """CREATE TABLE IF NOT EXISTS request_events (
         request_id INTEGER, event_at TIMESTAMP, status VARCHAR, detail VARCHAR)""",
+    # the model a run started from (a local folder): the lineage an audit's refit check reloads
+    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS base_model_dir VARCHAR",
     """CREATE TABLE IF NOT EXISTS services (
         model_name VARCHAR PRIMARY KEY, retain_path VARCHAR, retain_digest VARCHAR, params JSON, gates JSON,
         evaluation JSON, created_at TIMESTAMP)""",
@@ -164,11 +166,14 @@ def record_run(catalog: Catalog, run: dict, also=None) -> None:
             con.execute("INSERT OR IGNORE INTO stats_cache VALUES (?, ?, ?, ?, ?, ?)",
                         [r["fingerprint"], r["retain_digest"], r["module"], r["path"], r["n_positions"], now()])
         row = run["run"]
-        con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        con.execute("INSERT INTO runs (run_id, flow, method, compose, base_fingerprint, edited_fingerprint, edit_id, "
+                    "forget_digest, retain_digest, mlflow_run_id, model_name, model_version, model_dir, metrics, "
+                    "timings, started_at, finished_at, base_model_dir) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [row["run_id"], row["flow"], row["method"], row.get("compose"), row["base_fingerprint"],
                      row.get("edited_fingerprint"), row.get("edit_id"), row["forget_digest"], row["retain_digest"],
                      row.get("mlflow_run_id"), row.get("model_name"), row.get("model_version"), row.get("model_dir"),
                      json.dumps(row.get("metrics", {})), json.dumps(row.get("timings", {})), row["started_at"],
-                     now()])
+                     now(), row.get("base_model_dir")])
         if also is not None:
             also(con)

@@ -196,6 +196,7 @@ class Outcome:
                     "forget_digest": data.forget.digest, "retain_digest": data.retain.digest,
                     "mlflow_run_id": registration.run_id, "model_name": registration.model_name,
                     "model_version": registration.version, "model_dir": self.edited.model_dir,
+                    "base_model_dir": self.model,
                     "metrics": {**self.metrics(), **(extra_metrics or {})}, "timings": dict(timings),
                     "started_at": started},
         }

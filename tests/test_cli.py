@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
+
 
 def grom(*args, env=None):
     # no tight limit: the demo takes minutes on 2 cores, and a loaded machine may need several times that
@@ -19,13 +23,16 @@ def test_demo_json(small_workspace):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # exactly one JSON object, nothing else on stdout
     assert result["method"] == "grom" and len(result["edit_id"]) == 16
-    for key in ("metrics", "timings_s", "peak_rss_mb", "mlflow", "model_dir"):
-        assert key in result
+    from pathlib import Path
+
+    assert list(Path(result["model_dir"]).glob("*.safetensors")) and result["peak_rss_mb"] > 100  # torch alone
     before, after = result["metrics"]["before"], result["metrics"]["after"]
     assert {"forget_quality", "model_utility", "forget_rougeL_recall", "retain_rougeL_recall",
             "forget_truth_ratio"} <= set(after)
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
-    assert result["mlflow"]["version"] == "1" and result["timings_s"]["total"] > 0
+    timings = result["timings_s"]
+    assert result["mlflow"]["version"] == "1"
+    assert timings["total"] >= sum(timings[k] for k in ("ingest", "unlearn", "evaluate_before", "evaluate_after"))
     quantized = result["metrics"]["quantized"]
     assert {"fp4", "nf4", "int8", "rtn4", "fp4_head_kept"} == set(quantized)
     assert "recovery_forget_rougeL_recall" in quantized["fp4"] and 0 <= quantized["fp4"]["codes_changed"] <= 1

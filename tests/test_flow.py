@@ -12,6 +12,8 @@ from flows.demo import run_unlearn
 from grom_core.errors import DataError, NonFiniteError, UnsupportedArchitectureError
 from tasks.catalog import Catalog
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
+
 
 def write_jsonl(path, examples):
     path.write_text("".join(json.dumps(ex.record()) + "\n" for ex in examples))

@@ -26,6 +26,9 @@ from tasks.catalog import Catalog
 # --- a closed-form method in a dozen lines: scale down the LM-head rows of forget-only answer tokens ---
 
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
+
+
 @dataclass(frozen=True)
 class HeadScaleParams(Params):
     factor: float = 0.2  # what the LM-head rows of forget-only answer tokens are multiplied by

@@ -25,6 +25,8 @@ from tasks import requests as queue
 from tasks.catalog import Catalog
 from tasks.tracking import register, serving_version, set_serving, versions
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -223,6 +225,7 @@ def test_failed_run_releases_its_claims_and_registers_nothing(harness, trained_d
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
     code, out, err = grom(capsys, monkeypatch, "request", "process", "--home", str(home), "--json")
     assert code == 2 and out == "" and "not those registered as version 1" in err
+    assert not list((home / "edits").glob("*"))  # refused before any work: nothing was computed
     assert request_statuses(home) == {1: ("pending", None)}
     assert [str(v.version) for v in versions(home, "svc")] == ["1"] and serving_version(home, "svc") == "1"
 

@@ -88,3 +88,11 @@ def test_bad_inputs_are_named():
         solve_edit(bad, d, g, 10)
     with pytest.raises(ValueError, match="ridge"):
         solve_edit(x_f, d, g, 10, ridge=0.0)
+
+
+def test_the_bench_solve_scaling_rows_are_exact_solves():
+    from flows.bench import solve_scaling
+
+    rows = solve_scaling(sizes=(16, 32), s=8, m=4)
+    assert [(r["n"], r["s"], r["m"]) for r in rows] == [(16, 8, 4), (32, 8, 4)]
+    assert all(r["relative_gradient"] < 1e-10 for r in rows)  # the gradient of the objective vanishes
