@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -104,6 +105,21 @@ def test_registered_artifacts_load_back(first_run):
     from grom_core.edit import Edit
 
     assert Edit.load(edit_dir).edit_id == result["edit_id"]
+
+
+def test_audit_refit_checks_the_influence_against_a_real_refit(first_run):
+    from flows.audit import audit
+
+    home, result = first_run
+    report = audit(result["edit_id"], str(home), log_to_mlflow=False, refit=2)
+    top = [e["example_index"] for e in report["influence"][:2]]  # the most influential, text still there
+    assert sorted({r["example_index"] for r in report["refit"]}) == sorted(top)
+    for row in report["refit"]:
+        assert row["module"] in result["modules"] and row["predicted"] > 0
+        # the real change moves keys, targets and c as well, so it differs from the prediction, but only by
+        # the order of magnitude the audit promises
+        assert 0.05 * row["predicted"] < row["actual"] < 20 * row["predicted"]
+    assert "## Refit check" in Path(report["report"]["markdown"]).read_text()
 
 
 def test_second_run_reuses_the_statistics_and_changes_invalidate_them(first_run, harness, trained_dir, files):

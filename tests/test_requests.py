@@ -119,6 +119,9 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
 
     logged = {a.path for a in client(home).list_artifacts(report["mlflow_run_id"], "audit")}
     assert logged == {f"audit/{done['edit_id']}.md", f"audit/{done['edit_id']}.json"}
+    assert "exact leave-one-out for each module with everything else held fixed" in markdown
+    code, out, err = grom(capsys, monkeypatch, "audit", "2", "--refit", "1", "--home", str(home))
+    assert code == 2 and "was purged" in err  # nothing left to refit from, by design
 
     # a second run finds nothing to do: a request is never applied twice
     again = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
