@@ -62,6 +62,18 @@ def get_module(model: nn.Module, path: str) -> nn.Module:
         ) from exc
 
 
+def output_head_name(model: nn.Module) -> str | None:
+    """The dotted name of the model's output projection (`get_output_embeddings()`), or None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if head is not None and m is head), None)
+
+
+def shares_input_embedding(model: nn.Module, module: nn.Module) -> bool:
+    """True when `module`'s weight is the input embedding's tensor (a tied LM head): editing one edits both."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return embed is not None and getattr(module, "weight", None) is embed.weight
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """True for GPT-2's Conv1D, whose weight is [in, out] (the transpose of nn.Linear's [out, in])."""
     return isinstance(module, Conv1D)
@@ -135,8 +147,7 @@ class ModelAdapter:
             weight_out_in(get_module(model, name))
         get_module(model, final_norm)
         if lm_head is None:
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            lm_head = next((n for n, m in model.named_modules() if head is not None and m is head), None)
+            lm_head = output_head_name(model)
             if lm_head is None:
                 raise UnsupportedArchitectureError(
                     f"cannot find the LM head; pass lm_head=... ({HAND_NAMING_HINT})")
@@ -183,8 +194,7 @@ class ModelAdapter:
     # -- tied embeddings --------------------------------------------------------------------------------------
     def lm_head_is_tied(self) -> bool:
         """True when the LM head shares its weight tensor with the input embedding (GPT-2 and many small models)."""
-        embed = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        return embed is not None and embed.weight is self.lm_head.weight
+        return shares_input_embedding(self.model, self.lm_head)
 
     def untie_lm_head(self) -> bool:
         """Give the LM head its own copy of the weight, so that editing it leaves the input embedding alone.

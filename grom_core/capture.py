@@ -18,6 +18,7 @@ from torch import nn
 from grom_core.adapter import get_module
 from grom_core.data import IGNORE_INDEX, Batch
 from grom_core.errors import NonFiniteError
+from grom_core.modes import evaluating
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,8 @@ class KeyCapture:
 @contextmanager
 def capture(model: nn.Module, inputs: Sequence[str] = (), outputs: Sequence[str] = (), early_stop: bool = True):
     """Context manager form of KeyCapture; the model is put in eval mode for the duration and restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with KeyCapture(model, inputs, outputs, early_stop=early_stop) as cap:
-            yield cap
-    finally:
-        model.train(was_training)
+    with evaluating(model), KeyCapture(model, inputs, outputs, early_stop=early_stop) as cap:
+        yield cap
 
 
 def iter_captured(model: nn.Module, batches: Iterable[Batch], inputs: Sequence[str] = (),

@@ -73,7 +73,7 @@ class EncodedExample:
 
 def encode(tokenizer, example: Example, max_length: int = 512) -> EncodedExample:
     """Tokenise one example. The prompt and answer are encoded separately so the boundary is exact."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = bos_prefix(tokenizer)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if example.text is not None:
         ids = bos + tokenizer.encode(example.text, add_special_tokens=False) + eos
@@ -164,3 +164,22 @@ def read_json_object(path: str | Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise DataError(f"{what} {path} must hold a JSON object")
     return data
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """One JSON object per non-blank line; a bad line is a DataError that names the file and the line."""
+    path = Path(path)
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {number} is not valid JSON ({exc.msg}); one JSON object per line") from exc
+    return rows
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """The BOS token the model was trained with in front of every sequence ([] for tokenizers without one)."""
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

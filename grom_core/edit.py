@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from grom_core.adapter import get_module, weight_out_in
+from grom_core.adapter import get_module, shares_input_embedding, weight_out_in
 from grom_core.errors import FingerprintMismatchError, MissingUndoError, ShapeMismatchError, TiedWeightsError
 from grom_core.fingerprint import weights_fingerprint
 
@@ -187,9 +187,8 @@ class Edit:
             yield delta, weight
 
     def _check_untied(self, model: nn.Module) -> None:
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         for name in self.deltas:
-            if embed is not None and get_module(model, name).weight is embed.weight:
+            if shares_input_embedding(model, get_module(model, name)):
                 raise TiedWeightsError(
                     f"'{name}' shares its weight with the input embedding, so editing it would change the "
                     f"embedding too; untie it first with ModelAdapter.for_model(model).untie_lm_head()")

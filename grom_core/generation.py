@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from grom_core.capture import model_device
-from grom_core.data import pad_token_id
+from grom_core.data import bos_prefix, pad_token_id
+from grom_core.modes import evaluating
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +23,12 @@ def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_
     Prompts are encoded with the tokenizer's BOS (as in training) and left-padded so all continuations start at the
     same column; generation stops at EOS or after `max_new_tokens` tokens.
     """
-    was_training = model.training
-    model.eval()
     device = model_device(model)
     pad = pad_token_id(tokenizer)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = bos_prefix(tokenizer)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     outputs: list[str] = []
-    try:
+    with evaluating(model):
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
             encoded = [bos + tokenizer.encode(p, add_special_tokens=False) for p in chunk]
@@ -47,6 +46,4 @@ def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_
                     row = row[:row.index(tokenizer.eos_token_id)]
                 outputs.append(tokenizer.decode(row, skip_special_tokens=True).strip())
             log.info("%s: %d/%d", desc, min(start + batch_size, len(prompts)), len(prompts))
-    finally:
-        model.train(was_training)
     return outputs

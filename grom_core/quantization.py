@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from grom_core.adapter import is_conv1d, weight_out_in
+from grom_core.adapter import is_conv1d, output_head_name, weight_out_in
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ def quantizers(available: bool | None = None) -> dict[str, QuantSpec]:
 
 
 def _linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Module]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_head_name(model)
     return {name: m for name, m in model.named_modules()
-            if (isinstance(m, nn.Linear) or is_conv1d(m)) and (include_lm_head or m is not head)}
+            if (isinstance(m, nn.Linear) or is_conv1d(m)) and (include_lm_head or name != head)}
 
 
 @contextmanager

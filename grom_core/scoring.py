@@ -10,7 +10,17 @@ import torch
 from torch import nn
 
 from grom_core.capture import model_device
-from grom_core.data import IGNORE_INDEX, Batch, EncodedExample, Example, collate, make_batches, pad_token_id
+from grom_core.data import (
+    IGNORE_INDEX,
+    Batch,
+    EncodedExample,
+    Example,
+    bos_prefix,
+    collate,
+    make_batches,
+    pad_token_id,
+)
+from grom_core.modes import evaluating
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +46,8 @@ class TokenScores:
 @torch.no_grad()
 def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "score") -> TokenScores:
     """Log-probabilities of every supervised token of every example (float64 softmax), in example order."""
-    was_training = model.training
-    model.eval()
     out: list[torch.Tensor] = []
-    try:
+    with evaluating(model):
         for i, batch in enumerate(batches, start=1):
             batch = batch.to(model_device(model))
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
@@ -50,8 +58,6 @@ def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "scor
             out.extend(picked[row][mask[row]].cpu() for row in range(picked.shape[0]))
             if i == len(batches) or i % max(1, len(batches) // 5) == 0:
                 log.info("%s: batch %d/%d", desc, i, len(batches))
-    finally:
-        model.train(was_training)
     return TokenScores(out)
 
 
@@ -72,7 +78,7 @@ def continuation_scores(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, 
 
     The prompt and continuation are encoded separately, so the boundary is exact; no EOS is appended.
     """
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    bos = bos_prefix(tokenizer)
     encoded = []
     for prompt, continuation in pairs:
         p = bos + tokenizer.encode(prompt, add_special_tokens=False)

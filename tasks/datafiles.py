@@ -9,6 +9,7 @@ import csv
 import json
 from pathlib import Path
 
+from grom_core.data import read_jsonl
 from grom_core.errors import DataError
 
 SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -29,7 +30,7 @@ def _read_json(path: Path) -> list[dict]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        return _read_jsonl(path)  # TOFU ships JSON lines under a .json suffix
+        return read_jsonl(path)  # TOFU ships JSON lines under a .json suffix
     if isinstance(data, dict):
         for key in ("data", "rows", "train", "examples"):
             if isinstance(data.get(key), list):
@@ -38,18 +39,6 @@ def _read_json(path: Path) -> list[dict]:
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of rows")
     return data
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: line {number} is not valid JSON ({exc.msg}); one JSON object per line") from exc
-    return rows
 
 
 def _read_parquet(path: Path) -> list[dict]:
@@ -72,7 +61,7 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
     suffix = path.suffix.lower()
-    readers = {".json": _read_json, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
+    readers = {".json": _read_json, ".jsonl": read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
     if suffix not in readers:
         raise DataError(f"{path}: unsupported file type '{suffix}'; use one of {', '.join(SUFFIXES)}")
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grom_core.adapter import ModelAdapter, weight_out_in
+from grom_core.adapter import ModelAdapter, output_head_name, weight_out_in
 from grom_core.benchmarks.registry import get_benchmark, read_split
 from grom_core.closed_form import record_influence
 from grom_core.edit import Edit
@@ -259,7 +259,7 @@ def quantization_check(edited: Edited, base_dir: str, unlearned: Unlearned, spec
     model, tokenizer = load_model(edited.model_dir)
     base, _ = load_model(base_dir, device="cpu")
     edit = Edit.load(unlearned.edit_dir)
-    head = _head_name(base)
+    head = output_head_name(base)
     out: dict = {}
     missing = [n for n in wanted if n not in specs]
     if missing:
@@ -281,8 +281,3 @@ def quantization_check(edited: Edited, base_dir: str, unlearned: Unlearned, spec
                  ", ".join(f"{k} {metrics[k]:+.3f}" for k in metrics if k.startswith("recovery_")),
                  time.perf_counter() - start)
     return out
-
-
-def _head_name(model) -> str | None:
-    head = model.get_output_embeddings()
-    return next((n for n, m in model.named_modules() if m is head), None)

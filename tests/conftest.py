@@ -21,6 +21,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from grom_core.benchmarks.authors import author_questions, make_authors, qa_pairs  # noqa: E402
 from grom_core.finetune import TinyModelConfig, TrainConfig, train_tiny_model, train_tokenizer  # noqa: E402
 from grom_core.loading import load_model  # noqa: E402
+from grom_core.quantization import bitsandbytes_available  # noqa: E402
+
+# The FP4/NF4 and int8 attacks need bitsandbytes (declared for Linux x86_64 only); rtn4 runs everywhere.
+HAS_BITSANDBYTES = bitsandbytes_available()
+needs_bitsandbytes = pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (no wheel for "
+                                        "this platform): the FP4, NF4 and int8 attacks cannot run")
+ATTACK = "fp4" if HAS_BITSANDBYTES else "rtn4"  # the 4-bit attack a test runs: FP4 where it can
 
 # The memorisation fixture: 8 authors x 8 questions, 2 authors forgotten. Trains in about 10 s on 2 cores.
 AUTHORS = make_authors(8, seed=1)

@@ -1,6 +1,7 @@
 """`grom bench` on a small minitofu: every row has the fixed keys, times, quantized metrics, a plot and MLflow runs."""
 
 import pytest
+from conftest import ATTACK
 
 from flows.bench import run_bench
 from grom_core.gradient.methods import TrainerParams
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catal
 
 def test_bench_rows_plot_and_mlflow(small_workspace):
     tmp_path = small_workspace / "ws"  # shared with the demo test: minitofu's models are trained once
-    result = run_bench(str(tmp_path), "minitofu", None, ("grom", "npo:sago"), ("rtn4", "fp4"),
+    result = run_bench(str(tmp_path), "minitofu", None, ("grom", "npo:sago"), ("rtn4", ATTACK),
                        TrainerParams(epochs=2), authors=10)
     rows = result["rows"]
     assert [(r["label"], r["compose"], r["cached_stats"]) for r in rows] == [
@@ -18,9 +19,9 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
     assert result["columns"] == ["forget_rougeL_recall", "forget_quality", "model_utility"]
     for row in rows:
         assert {"method", "compose", "cached_stats", "seconds", "peak_rss_mb", "metrics", "quantized"} <= set(row)
-        assert set(row["quantized"]) == {"rtn4", "fp4"}
+        assert set(row["quantized"]) == {"rtn4", ATTACK}
         assert {"forget_rougeL_recall", "forget_quality", "model_utility"} <= set(row["metrics"])
-        assert "recovery_forget_rougeL_recall" in row["quantized"]["fp4"]
+        assert "recovery_forget_rougeL_recall" in row["quantized"][ATTACK]
     assert rows[0]["time_ratio_to_closed_form"] == 1.0 and rows[2]["steps"] > 0
     after, before = rows[0]["metrics"], result["before"]
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]

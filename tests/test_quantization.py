@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import needs_bitsandbytes
 
 from grom_core.quantization import QuantSpec, edit_survival, int8_rowwise, quantized, quantizers, rtn4
 
@@ -18,6 +19,11 @@ def test_int8_by_hand():
     assert codes.tolist() == [[127, -63, 0]] and deq.flatten().tolist() == pytest.approx([127.0, -63.0, 0.0])
 
 
+def test_without_bitsandbytes_only_rtn4_is_offered():
+    assert set(quantizers(available=False)) == {"rtn4"}
+
+
+@needs_bitsandbytes
 def test_bitsandbytes_round_trips_are_close_and_every_attack_is_listed():
     specs = quantizers()
     assert {"fp4", "nf4", "int8", "rtn4", "fp4_head_kept"} == set(specs)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import FORGET, RETAIN
+from conftest import ATTACK, FORGET, RETAIN
 from safetensors.torch import load_file
 
 from flows import cli
@@ -61,7 +61,7 @@ def grom_json(capsys, monkeypatch, *args):
 
 def make_service(capsys, monkeypatch, home, trained_dir, data, gates=None):
     args = ["model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--home", str(home),
-            "--name", "svc", "--evaluation", '{"quantizers": ["fp4"]}']
+            "--name", "svc", "--evaluation", json.dumps({"quantizers": [ATTACK]})]
     if gates:
         args += ["--gates", json.dumps(gates)]
     return grom_json(capsys, monkeypatch, *args)
@@ -112,7 +112,7 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
     assert {e["request_id"] for e in report["influence"]} == {1, 2} and len(report["influence"]) == len(FORGET)
     assert all(e["purged"] and e["text"] is None and e["total"] > 0 for e in report["influence"])
     assert set(report["influence"][0]["influence"]) == set(report["modules"])
-    assert report["gates"]["passed"] and "fp4" in report["quantization"]
+    assert report["gates"]["passed"] and ATTACK in report["quantization"]
     markdown = Path(report["report"]["markdown"]).read_text()
     assert "| 1 | done | 2 | GDPR art. 17 | alice | True |" in markdown and FORGET[0].question not in markdown
     from tasks.tracking import client

@@ -8,7 +8,6 @@ world-facts answers; the retain model on the same without the forget split.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from grom_core.benchmarks.authors import make_authors, tofu_rows
+from grom_core.data import read_jsonl
 from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig
 from grom_core.metrics.tofu import SetScores, tofu_summary
@@ -37,10 +37,6 @@ def tofu_data_dir() -> Path:
         raise DataError(f"TOFU data files not found in {path}; set GROM_TOFU_DATA to the folder holding "
                         f"real_authors_perturbed.json and world_facts_perturbed.json")
     return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def real_world_rows(name: str) -> list[dict]:

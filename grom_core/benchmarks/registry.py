@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grom_core.benchmarks import minimuse, minitofu, miniwmdp
-from grom_core.data import as_examples, read_json_object
+from grom_core.data import as_examples, read_json_object, read_jsonl
 from grom_core.errors import DataError
 from grom_core.finetune import example_texts, train_tiny_model
 from grom_core.fingerprint import data_digest
@@ -232,7 +232,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def read_split(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def _digest(bench: Benchmark) -> str:

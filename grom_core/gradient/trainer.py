@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from grom_core.adapter import is_conv1d, weight_out_in
+from grom_core.adapter import is_conv1d, shares_input_embedding, weight_out_in
 from grom_core.capture import model_device
 from grom_core.data import Example, as_examples, make_batches
 from grom_core.edit import Edit, ModuleDelta
-from grom_core.errors import DataError, UnsupportedArchitectureError
+from grom_core.errors import DataError, TiedWeightsError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.gradient.composition import COMPOSERS
 from grom_core.gradient.losses import answer_logprobs, kl_to_reference, nll
@@ -90,10 +90,10 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     forget_ex, retain_ex = as_examples(forget), as_examples(retain)
     if any(ex.question is None for ex in forget_ex) and spec.needs_idk:
         raise DataError("IdkDPO needs question/answer forget examples (the preferred answer is an 'I don't know')")
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and embed is not None and head.weight is embed.weight:
-        raise UnsupportedArchitectureError("the LM head is tied to the input embedding; untie it first with "
-                                           "ModelAdapter.for_model(model).untie_lm_head()")
+    head = model.get_output_embeddings()
+    if head is not None and shares_input_embedding(model, head):
+        raise TiedWeightsError("the LM head is tied to the input embedding; untie it first with "
+                               "ModelAdapter.for_model(model).untie_lm_head()")
     start = time.perf_counter()
     base_fingerprint = weights_fingerprint(model)
     rng = random.Random(trainer.seed)
