@@ -1,0 +1,103 @@
+"""What every `grom` command shares: logging to stderr, one JSON object or tables on stdout, common options."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from flows.formatting import fmt, quantization_columns
+from grom_core.errors import DataError
+
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+HomeOpt = Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")]
+
+
+def setup_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        # removed but not closed (which basicConfig(force=True) would do): a library's handler (absl's, added on
+        # import) may hold a stream that is not ours to close
+        root.removeHandler(handler)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)])
+    logging.getLogger("grom").setLevel(logging.INFO)
+    logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)
+    for noisy in ("transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def emit(payload: dict, as_json: bool, *tables: Table | None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(payload, default=str) + "\n")
+        return
+    for table in tables:
+        if table is not None:
+            Console().print(table)
+
+
+def metrics_table(title: str, before: dict, after: dict) -> Table:
+    table = Table(title=title)
+    for column in ("metric", "before", "after"):
+        table.add_column(column)
+    for key, value in before.items():
+        if isinstance(value, int | float) or isinstance(after.get(key), int | float):
+            table.add_row(key, fmt(value), fmt(after.get(key)))
+    return table
+
+
+def before_after_table(result: dict) -> Table:
+    where = f" on layers {result['layers']}" if result.get("layers") else ""
+    table = metrics_table(f"{result['method']} edit {result['edit_id']}{where}", result["metrics"]["before"],
+                           result["metrics"]["after"])
+    t, u = result["timings_s"], result["unlearning"]
+    how = (f"retain statistics {'cached' if result['cached_stats'] else 'computed'}"
+           if result.get("cached_stats") is not None else f"{u['steps']} optimizer steps, {result['compose']}")
+    table.caption = (f"unlearning {t['unlearning']:.2f} s ({how}), total {t['total']:.1f} s, peak RSS "
+                     f"{result['peak_rss_mb']:.0f} MB; MLflow {result['mlflow']['model_name']} "
+                     f"v{result['mlflow']['version']}")
+    return table
+
+
+def quantization_table(result: dict) -> Table | None:
+    """One row per quantization attack: the forget metric, its recovery, and how much of the edit survived."""
+    quantized = {q: m for q, m in result["metrics"].get("quantized", {}).items() if isinstance(m, dict)}
+    if not quantized:
+        return None
+    table = Table(title="after quantize-dequantize (recovery = quantized - unquantized)")
+    table.add_column("attack")
+    columns = quantization_columns(quantized)
+    for column in columns:
+        table.add_column(column.replace("_", " "))
+    for name, metrics in quantized.items():
+        table.add_row(name, *[fmt(metrics.get(c)) for c in columns])
+    return table
+
+
+def key_values(table: Table, payload: dict) -> Table:
+    table.add_column("item")
+    table.add_column("value")
+    for key, value in payload.items():
+        table.add_row(key, fmt(value) if not isinstance(value, dict | list) else json.dumps(value, default=str))
+    return table
+
+
+def json_option(text: str | None, option: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{option} is not valid JSON ({exc.msg} at character {exc.pos}): {text}") from exc
+    if not isinstance(value, dict):
+        raise DataError(f"{option} must be a JSON object, got {text}")
+    return value
