@@ -111,7 +111,6 @@ benchmark_app = typer.Typer(no_args_is_help=True, help="Shipped benchmarks: buil
 app.add_typer(benchmark_app, name="benchmark")
 
 
-
 @benchmark_app.command("build")
 def benchmark_build(
     name: Annotated[str, typer.Argument(help="minitofu, minimuse or miniwmdp.")],

@@ -29,15 +29,14 @@ request_app = typer.Typer(no_args_is_help=True, help="Deletion requests: queue, 
 ModelNameOpt = Annotated[str | None, typer.Option(help="Registered model (default: the workspace's only one).")]
 
 
-
 @model_app.command("register")
 def model_register(
     model: Annotated[str | None, typer.Option(help="Base model directory (save_pretrained, safetensors).")] = None,
     retain: Annotated[str | None, typer.Option(help="Retain data the edits must keep: JSON, JSONL, Parquet, CSV.")]
     = None,
     name: Annotated[str | None, typer.Option(help="Registered model name (default grom-<folder>).")] = None,
-    benchmark: Annotated[str | None, typer.Option(help="Use minitofu's target model, retain split and GROM preset "
-                                                       "instead of --model/--retain.")] = None,
+    benchmark: Annotated[str | None, typer.Option(help="Use a benchmark's target model and the retain split of its "
+                                                       "default forget split instead of --model/--retain.")] = None,
     gates: Annotated[str | None, typer.Option(help='Gate thresholds as JSON, e.g. {"max_forget_rougeL_recall": '
                                                    '0.4}.')] = None,
     params: Annotated[str | None, typer.Option(help='GROM parameters as JSON, e.g. {"beta": 80}.')] = None,
@@ -60,7 +59,6 @@ def model_register(
         raise GromError("give --model DIR and --retain FILE, or --benchmark minitofu")
     emit(result, as_json, key_values(Table(title=f"registered {result['model_name']} v{result['version']}"),
                                        result))
-
 
 
 @model_app.command("promote")
