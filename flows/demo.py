@@ -11,6 +11,7 @@ from flows.runtime import prefect_environment
 from flows.workspace import Workspace
 from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
 from grom_core.benchmarks.registry import check_split, get_benchmark
+from grom_core.data import prompt_format as grom_prompt_format
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.loading import check_model_dir
 from grom_core.methods import DEFAULT_METHOD, method_params
@@ -45,11 +46,12 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
-                method: str = DEFAULT_METHOD, quantization: bool = False) -> dict:
+                method: str = DEFAULT_METHOD, quantization: bool = False, prompt_format: str = "qa") -> dict:
     from tasks.tracking import check_model_name, resolve_model
 
     ws = Workspace.resolve(home)
     method_params(method, params)
+    grom_prompt_format(prompt_format)
     if model_name is not None:
         check_model_name(model_name)
     model = resolve_model(ws.root, model)
@@ -59,7 +61,7 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
 
         return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), method=method,
                        params=params, model_name=model_name, workers=workers, dask_address=dask_address,
-                       quantization=quantization)
+                       quantization=quantization, prompt_format=prompt_format)
 
 
 def preflight(model: str, forget: str, retain: str, params: dict) -> None:

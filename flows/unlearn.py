@@ -36,7 +36,7 @@ log = logging.getLogger("grom.flow")
 def unlearn(model: str, forget: str, retain: str, home: str | None = None, method: str = "grom",
             params: dict | None = None, evaluation: EvaluationSpec | None = None, model_name: str | None = None,
             workers: int = 0, dask_address: str | None = None, tags: dict | None = None,
-            quantization: bool = True) -> dict:
+            quantization: bool = True, prompt_format: str = "qa") -> dict:
     """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
 
     Args:
@@ -53,6 +53,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
         tags: extra tags for the MLflow run and model version (e.g. deletion request ids).
         quantization: run the quantization recovery attack on the edited model and report it under
             metrics.quantized.
+        prompt_format: how the data's QA pairs become text, for the keys, the targets and the own-data metrics:
+            qa, completion (a pretrained base model's) or chat (grom_core.data.PROMPT_FORMATS).
     """
     ws = Workspace.resolve(home)
     name = check_model_name(model_name or (f"grom-{evaluation.benchmark}-{evaluation.split}"
@@ -61,7 +63,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     started, timings = now(), Timings(log)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
-                      quantizers=None if quantization else [])
+                      quantizers=None if quantization else [], prompt_format=prompt_format)
     with transaction():
         registration = timings.run("register", register_outcome, ws, outcome, name=name,
                                    tags={"grom.kind": "unlearn", **(tags or {})}, timings=timings.seconds)
@@ -74,7 +76,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
 
 def compute(timings: Timings, ws: Workspace, *, model: str, forget: str, retain: str, method: str, params: dict,
             evaluation: EvaluationSpec | None, workers: int = 0, dask_address: str | None = None,
-            quantizers: list[str] | None = None, max_examples: int = 200) -> Outcome:
+            quantizers: list[str] | None = None, max_examples: int = 200, prompt_format: str = "qa") -> Outcome:
     """Everything before registration. Writes only content-addressed files under the workspace's lake, edits
     and models folders, so a failure here leaves the catalog and the registry untouched.
 
@@ -83,10 +85,11 @@ def compute(timings: Timings, ws: Workspace, *, model: str, forget: str, retain:
     lake_root = str(ws.root / "lake")
     data = timings.run("ingest", steps.ingest, forget, retain, lake_root)
     unlearned = timings.run("unlearn", steps.unlearn, model, data, method, params, lake_root, str(ws.edits),
-                            workers, dask_address)
+                            workers, dask_address, prompt_format)
     edited = timings.run("apply_and_save", steps.apply_and_save, model, unlearned, str(ws.models))
     audit = timings.run("influence", steps.influence_audit, unlearned, data, lake_root)
-    spec = evaluation or EvaluationSpec(forget=data.forget.path, retain=data.retain.path, max_examples=max_examples)
+    spec = evaluation or EvaluationSpec(forget=data.forget.path, retain=data.retain.path, max_examples=max_examples,
+                                        prompt_format=prompt_format)
     cache_root = str(ws.root / "cache" / "evaluations")
     before = timings.run("evaluate_before", steps.evaluate, model, spec, cache_root)
     after = timings.run("evaluate_after", steps.evaluate, edited.model_dir, spec, cache_root)

@@ -24,7 +24,7 @@ from torch import nn
 
 from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.capture import collect
-from grom_core.data import Batch, Example, as_examples, iter_answer_tokens, make_batches
+from grom_core.data import Batch, Example, PromptFormat, as_examples, iter_answer_tokens, make_batches, prompt_format
 from grom_core.edit import Edit, ModuleDelta
 from grom_core.errors import DataError, FingerprintMismatchError, UnsupportedArchitectureError
 from grom_core.fingerprint import data_digest, weights_fingerprint
@@ -170,12 +170,15 @@ class Prepared:
     fingerprint: str
     forget_digest: str
     retain_digest: str
-    stats_digest: str  # what the retain statistics depend on: the retain data and max_length
+    stats_digest: str  # what the retain statistics depend on: the retain data, max_length and the prompt format
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
-            adapter: ModelAdapter | None = None, fingerprint: str | None = None) -> Prepared:
-    """Validate and batch the data, fingerprint the model, and weigh tokens by forget-specificity."""
+            adapter: ModelAdapter | None = None, fingerprint: str | None = None,
+            fmt: str | PromptFormat = "qa") -> Prepared:
+    """Validate and batch the data (in prompt format `fmt`), fingerprint the model, and weigh tokens by
+    forget-specificity."""
+    fmt = prompt_format(fmt)
     params.validate()
     forget_ex, retain_ex = as_examples(forget), as_examples(retain)
     adapter = adapter or ModelAdapter.for_model(model)
@@ -183,9 +186,9 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
         raise UnsupportedArchitectureError(
             f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
             f"(numerically a no-op), or set edit_lm_head=False")
-    forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length)
+    forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
-                                  first_id=len(forget_ex))
+                                  first_id=len(forget_ex), fmt=fmt)
     vocab = weight_out_in(adapter.lm_head).shape[0]
     weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
                                   sharpness=params.sharpness, threshold=params.threshold,
@@ -195,7 +198,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                     retain_batches=retain_batches, weights=weights,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
-                    stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length}]))
+                    stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
+                                               "prompt_format": fmt.name}]))
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
@@ -300,7 +304,8 @@ def record_influence(record: SolveRecord, stats: GramStats) -> InfluenceReport:
 def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tuple | str],
              retain: Sequence[Example | dict | tuple | str], params: GromParams = GromParams(), *,
              adapter: ModelAdapter | None = None, retain_stats: Mapping[str, GramStats] | None = None,
-             stats_store: StatsStore | None = None, compute_stats: StatsComputer | None = None) -> GromRun:
+             stats_store: StatsStore | None = None, compute_stats: StatsComputer | None = None,
+             prompt_format: str | PromptFormat = "qa") -> GromRun:
     """Compute the closed-form unlearning edit of `model` for `forget` while preserving `retain`.
 
     Args:
@@ -313,10 +318,11 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
             max_length); missing ones are looked up in `stats_store`, then computed (by `compute_stats` if given).
         stats_store: where retain statistics are cached (see statistics.StatsStore); computed ones are saved there.
         compute_stats: computes missing statistics elsewhere, e.g. sharded over a Dask cluster.
+        prompt_format: how QA pairs become text (data.PROMPT_FORMATS: qa, completion, chat).
     """
     clock = Timings()
     with clock.stage("prepare"):
-        prep = prepare(model, tokenizer, forget, retain, params, adapter)
+        prep = prepare(model, tokenizer, forget, retain, params, adapter, fmt=prompt_format)
     with clock.stage("layer_scores"):
         layers, scores = select_layers(model, prep, params)
     modules = edited_modules(prep.adapter, layers, params)

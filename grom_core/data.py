@@ -2,6 +2,12 @@
 
 A QA pair is supervised on its answer only (the question's labels are -100, as in TOFU); a raw text is supervised
 on every token after the first. Keys are captured where the *next* token is supervised.
+
+How a QA pair becomes text is a `PromptFormat`, chosen per dataset: `qa` ("Question: ...\nAnswer: ..." and an
+end-of-sequence token: how grom's tiny models are trained), `completion` (the question is a prefix the answer
+continues, no end-of-sequence token: what a pretrained base model does, "The capital of France is the city of" ->
+" Paris"), or `chat` (the tokenizer's chat template, the answer ending the assistant's turn). The keys, the
+targets and the metrics of one dataset use the same format.
 """
 
 from __future__ import annotations
@@ -18,7 +24,53 @@ from grom_core.errors import DataError
 IGNORE_INDEX = -100
 
 QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
-ANSWER_TEMPLATE = " {answer}"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How an example becomes model input.
+
+    Attributes:
+        name: qa, completion or chat.
+        template: the prompt around the question ({question}); unused by chat, which asks the tokenizer.
+        answer_prefix: what precedes the answer (a space after a prompt that ends in a word).
+        eos: whether an end-of-sequence token follows the answer (and a text).
+        chat: use the tokenizer's chat template (the prompt is a user turn, the answer the assistant's).
+    """
+
+    name: str
+    template: str
+    answer_prefix: str
+    eos: bool
+    chat: bool = False
+
+    def prompt(self, tokenizer, question: str) -> str:
+        if self.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError("prompt format 'chat' needs a tokenizer with a chat template; use 'qa' or "
+                                "'completion'")
+            return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return self.template.format(question=question)
+
+    def prefix(self, tokenizer) -> list[int]:
+        """Token ids before the prompt: the BOS token, unless a chat template already opens the sequence."""
+        return [] if self.chat else bos_prefix(tokenizer)
+
+
+PROMPT_FORMATS = {
+    "qa": PromptFormat("qa", QUESTION_TEMPLATE, " ", eos=True),
+    "completion": PromptFormat("completion", "{question}", " ", eos=False),
+    "chat": PromptFormat("chat", "{question}", "", eos=True, chat=True),
+}
+
+
+def prompt_format(name: str | PromptFormat) -> PromptFormat:
+    if isinstance(name, PromptFormat):
+        return name
+    if name not in PROMPT_FORMATS:
+        raise DataError(f"unknown prompt format '{name}'; choose one of {', '.join(PROMPT_FORMATS)}")
+    return PROMPT_FORMATS[name]
 
 
 @dataclass(frozen=True)
@@ -71,16 +123,18 @@ class EncodedExample:
     labels: list[int]
 
 
-def encode(tokenizer, example: Example, max_length: int = 512) -> EncodedExample:
-    """Tokenise one example. The prompt and answer are encoded separately so the boundary is exact."""
-    bos = bos_prefix(tokenizer)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def encode(tokenizer, example: Example, max_length: int = 512, fmt: str | PromptFormat = "qa") -> EncodedExample:
+    """Tokenise one example in prompt format `fmt`. The prompt and answer are encoded separately so the boundary
+    is exact."""
+    fmt = prompt_format(fmt)
+    bos = fmt.prefix(tokenizer)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None and fmt.eos else []
     if example.text is not None:
         ids = bos + tokenizer.encode(example.text, add_special_tokens=False) + eos
         labels = [IGNORE_INDEX] * len(bos) + ids[len(bos):]
     else:
-        prompt = bos + tokenizer.encode(QUESTION_TEMPLATE.format(question=example.question), add_special_tokens=False)
-        answer = tokenizer.encode(ANSWER_TEMPLATE.format(answer=example.answer), add_special_tokens=False) + eos
+        prompt = bos + tokenizer.encode(fmt.prompt(tokenizer, example.question), add_special_tokens=False)
+        answer = tokenizer.encode(fmt.answer_prefix + example.answer, add_special_tokens=False) + eos
         ids = prompt + answer
         labels = [IGNORE_INDEX] * len(prompt) + answer
     ids, labels = ids[:max_length], labels[:max_length]
@@ -129,13 +183,13 @@ def pad_token_id(tokenizer) -> int:
 
 
 def make_batches(tokenizer, examples: Sequence[Example], batch_size: int = 16, max_length: int = 512,
-                 first_id: int = 0) -> list[Batch]:
-    """Encode and batch examples in order; example ids run from `first_id`."""
+                 first_id: int = 0, fmt: str | PromptFormat = "qa") -> list[Batch]:
+    """Encode (in prompt format `fmt`) and batch examples in order; example ids run from `first_id`."""
     if not examples:
         raise DataError("no examples given; the forget and retain sets must each hold at least one example")
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
-    encoded = [encode(tokenizer, ex, max_length) for ex in examples]
+    encoded = [encode(tokenizer, ex, max_length, fmt) for ex in examples]
     pad = pad_token_id(tokenizer)
     batches = []
     for start in range(0, len(encoded), batch_size):

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,
-                    batch_size: int = 32, desc: str = "generate") -> list[str]:
+                    batch_size: int = 32, desc: str = "generate", bos: bool = True) -> list[str]:
     """Greedy continuations of `prompts` (decoded, special tokens dropped), in order.
 
     Prompts are encoded with the tokenizer's BOS (as in training) and left-padded so all continuations start at the
@@ -25,7 +25,7 @@ def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_
     """
     device = model_device(model)
     pad = pad_token_id(tokenizer)
-    bos = bos_prefix(tokenizer)
+    bos = bos_prefix(tokenizer) if bos else []  # a chat-templated prompt opens the sequence itself
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     outputs: list[str] = []
     with evaluating(model):

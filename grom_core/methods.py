@@ -31,12 +31,13 @@ from grom_core.statistics import GramStats, StatsComputer, StatsStore
 
 @dataclass(frozen=True)
 class MethodContext:
-    """What the caller lends a method besides its data: hand-named modules, and where retain statistics are cached
-    or computed (used by methods that need them; others ignore it)."""
+    """What the caller lends a method besides its data: hand-named modules, where retain statistics are cached or
+    computed (used by methods that need them; others ignore it), and the data's prompt format."""
 
     adapter: ModelAdapter | None = None
     stats_store: StatsStore | None = None
     compute_stats: StatsComputer | None = None
+    prompt_format: str = "qa"  # how the data's QA pairs become text (grom_core.data.PROMPT_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class Method:
 def closed_form(model, tokenizer, forget, retain, params: GromParams, context: MethodContext) -> MethodRun:
     """GROM. The influence audit is left to the caller (it needs only `records` and `retain_stats`)."""
     run = run_grom(model, tokenizer, forget, retain, params.replace(influence=False), adapter=context.adapter,
-                   stats_store=context.stats_store, compute_stats=context.compute_stats)
+                   stats_store=context.stats_store, compute_stats=context.compute_stats,
+                   prompt_format=context.prompt_format)
     scores = run.layer_scores.as_rows() if run.layer_scores is not None else []
     return MethodRun(edit=run.edit, forward_passes=None, layers=tuple(run.layers),
                      layer_scores=tuple({**r, "chosen": r["layer"] in run.layers} for r in scores),
@@ -104,7 +106,7 @@ def gradient_method(name: str, params: type[gradient.MethodParams], objective: g
     """A registry entry for a gradient method: its parameters, its forget objective, the shared trainer."""
 
     def run(model, tokenizer, forget, retain, p: gradient.MethodParams, context: MethodContext) -> MethodRun:
-        out = train(model, tokenizer, forget, retain, p, objective, name=name)
+        out = train(model, tokenizer, forget, retain, p, objective, name=name, prompt_format=context.prompt_format)
         return MethodRun(edit=out.edit, steps=out.steps, forward_passes=out.forward_passes,
                          timings_s={"train": out.seconds})
 

@@ -66,10 +66,10 @@ def answer_nll(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
     return token_logprobs(model, batches).mean_nll
 
 
-def answer_probability(model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 16
-                       ) -> torch.Tensor:
-    """(N,) TOFU probability of each answer: exp(-mean token NLL) = P(a|q)^(1/|a|)."""
-    return torch.exp(-answer_nll(model, make_batches(tokenizer, examples, batch_size)))
+def answer_probability(model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 16,
+                       fmt: str = "qa") -> torch.Tensor:
+    """(N,) TOFU probability of each answer in prompt format `fmt`: exp(-mean token NLL) = P(a|q)^(1/|a|)."""
+    return torch.exp(-answer_nll(model, make_batches(tokenizer, examples, batch_size, fmt=fmt)))
 
 
 def continuation_scores(model: nn.Module, tokenizer, pairs: Sequence[tuple[str, str]], batch_size: int = 16,

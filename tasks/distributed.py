@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def shard_statistics(model_dir: str, rows: list[dict], first_id: int, modules: list[str], fingerprint: str,
-                     data_digest: str, batch_size: int, max_length: int, out_dir: str) -> dict[str, str]:
+                     data_digest: str, batch_size: int, max_length: int, out_dir: str,
+                     prompt_format: str = "qa") -> dict[str, str]:
     """Worker side: Gram sums of one shard of retain rows; returns module -> safetensors path."""
     import torch
 
@@ -28,7 +29,8 @@ def shard_statistics(model_dir: str, rows: list[dict], first_id: int, modules: l
 
     torch.set_num_threads(1)  # one thread per worker process: the cluster provides the parallelism
     model, tokenizer = load_model(model_dir, device="cpu")
-    batches = make_batches(tokenizer, as_examples(rows), batch_size, max_length, first_id=first_id)
+    batches = make_batches(tokenizer, as_examples(rows), batch_size, max_length, first_id=first_id,
+                           fmt=prompt_format)
     stats = accumulate(model, batches, modules, fingerprint=fingerprint, data_digest=data_digest)
     paths = {}
     for name, st in stats.items():
@@ -40,7 +42,8 @@ def shard_statistics(model_dir: str, rows: list[dict], first_id: int, modules: l
 
 def sharded_statistics(model_dir: str, rows: list[dict], modules: list[str], *, fingerprint: str,
                        data_digest: str, out_dir: Path, workers: int = 2, address: str | None = None,
-                       batch_size: int = 16, max_length: int = 512, first_id: int = 0) -> dict[str, GramStats]:
+                       batch_size: int = 16, max_length: int = 512, first_id: int = 0,
+                       prompt_format: str = "qa") -> dict[str, GramStats]:
     """Retain statistics computed on a Dask cluster (an existing one at `address`, or a local one with `workers`
     processes) and merged on the driver. Equal to the single-process result up to float64 summation order."""
     from dask.distributed import Client, LocalCluster
@@ -56,7 +59,8 @@ def sharded_statistics(model_dir: str, rows: list[dict], modules: list[str], *, 
         size = -(-len(rows) // n_shards)
         out_dir.mkdir(parents=True, exist_ok=True)
         futures = [client.submit(shard_statistics, model_dir, rows[start:start + size], first_id + start, modules,
-                                 fingerprint, data_digest, batch_size, max_length, str(out_dir), pure=False)
+                                 fingerprint, data_digest, batch_size, max_length, str(out_dir), prompt_format,
+                                 pure=False)
                    for start in range(0, len(rows), size)]
         log.info("retain statistics: %d shards on %d Dask workers", len(futures), n_shards)
         merged: dict[str, GramStats] = {}

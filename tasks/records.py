@@ -146,6 +146,7 @@ class EvaluationSpec:
     forget: str | None = None  # own data: lake Parquet paths
     retain: str | None = None
     max_examples: int = 200
+    prompt_format: str = "qa"  # own data: how its QA pairs become text
 
     def digest(self) -> str:
         return data_digest([{k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(self).items()}])

@@ -89,7 +89,7 @@ def ingest(forget: str, retain: str, lake_root: str) -> Ingested:
 
 
 def _dask_statistics(model_dir: str, data: Ingested, batch_size: int, max_length: int, lake_root: Path,
-                     workers: int, address: str | None):
+                     workers: int, address: str | None, prompt_format: str):
     """A StatsComputer that shards the retain statistics over a Dask cluster."""
     from tasks.distributed import sharded_statistics
 
@@ -99,14 +99,14 @@ def _dask_statistics(model_dir: str, data: Ingested, batch_size: int, max_length
         return sharded_statistics(model_dir, rows, list(modules), fingerprint=fingerprint, data_digest=digest,
                                   out_dir=lake_root / "retain_stats" / "shards" / digest[:24],
                                   workers=workers or 2, address=address, batch_size=batch_size,
-                                  max_length=max_length, first_id=data.forget.n)
+                                  max_length=max_length, first_id=data.forget.n, prompt_format=prompt_format)
 
     return compute
 
 
 @task(name="unlearn", cache_policy=NO_CACHE)
 def unlearn(model_dir: str, data: Ingested, method: str, params: dict, lake_root: str, edits_root: str,
-            workers: int = 0, dask_address: str | None = None) -> Unlearned:
+            workers: int = 0, dask_address: str | None = None, prompt_format: str = "qa") -> Unlearned:
     """Run one method of the registry on the model; save its edit, and for a closed form the records of its
     solves and the forget keys (Parquet shards). The retain statistics are cached in the lake."""
     entry = get_method(method)
@@ -116,9 +116,9 @@ def unlearn(model_dir: str, data: Ingested, method: str, params: dict, lake_root
     compute = None
     if workers or dask_address:
         compute = _dask_statistics(model_dir, data, getattr(typed, "batch_size", 16),
-                                   getattr(typed, "max_length", 512), root, workers, dask_address)
+                                   getattr(typed, "max_length", 512), root, workers, dask_address, prompt_format)
     store = lake.LakeStatsStore(root)
-    context = MethodContext(stats_store=store, compute_stats=compute)
+    context = MethodContext(stats_store=store, compute_stats=compute, prompt_format=prompt_format)
     with measure() as cost:
         run = entry.run(model, tokenizer, data.forget.rows(), data.retain.rows(), typed, context)
     edit = run.edit
@@ -200,7 +200,7 @@ def evaluate_loaded(model, tokenizer, spec: EvaluationSpec) -> dict:
     from grom_core.benchmarks.owndata import evaluate_own
 
     forget, retain = (_lake_rows(spec.forget), _lake_rows(spec.retain))
-    return evaluate_own(model, tokenizer, forget, retain, max_examples=spec.max_examples)
+    return evaluate_own(model, tokenizer, forget, retain, max_examples=spec.max_examples, fmt=spec.prompt_format)
 
 
 def recovery_keys(spec: EvaluationSpec) -> tuple[str, ...]:

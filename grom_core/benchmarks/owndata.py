@@ -1,20 +1,21 @@
 """Metrics on a user's own forget and retain data: TOFU's probability and ROUGE-L recall of the answers.
 
 QA pairs are scored on their answers; texts on all their tokens (probability only: there is no question to ask).
+Both in the data's prompt format (grom_core.data.PROMPT_FORMATS), the one its keys and targets used.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from grom_core.data import QUESTION_TEMPLATE, as_examples, make_batches
+from grom_core.data import as_examples, make_batches, prompt_format
 from grom_core.generation import greedy_generate
 from grom_core.metrics.rouge import rouge_l_recall
 from grom_core.scoring import answer_nll
 
 
 def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, max_examples: int = 200,
-                 max_new_tokens: int = 64, batch_size: int = 32) -> dict[str, float]:
+                 max_new_tokens: int = 64, batch_size: int = 32, fmt: str = "qa") -> dict[str, float]:
     """{forget,retain}_probability (mean exp(-mean NLL)) and, for QA pairs, {forget,retain}_rougeL_recall.
 
     At most `max_examples` of each set are scored (the first ones), so evaluation stays cheap on large sets.
@@ -22,12 +23,13 @@ def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, ma
     out: dict[str, float] = {}
     for name, rows in (("forget", forget), ("retain", retain)):
         rows = rows[:max_examples]
-        nll = answer_nll(model, make_batches(tokenizer, as_examples(rows), batch_size)).numpy()
+        nll = answer_nll(model, make_batches(tokenizer, as_examples(rows), batch_size, fmt=fmt)).numpy()
         out[f"{name}_probability"] = float(np.exp(-nll).mean())
         qa = [r for r in rows if "question" in r]
         if qa:
-            prompts = [QUESTION_TEMPLATE.format(question=r["question"]) for r in qa]
+            prompts = [prompt_format(fmt).prompt(tokenizer, r["question"]) for r in qa]
             generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                        batch_size=batch_size, desc=f"generate ({name})")
+                                        batch_size=batch_size, desc=f"generate ({name})",
+                                        bos=not prompt_format(fmt).chat)
             out[f"{name}_rougeL_recall"] = float(rouge_l_recall(generated, [r["answer"] for r in qa]).mean())
     return out

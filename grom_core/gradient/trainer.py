@@ -64,24 +64,26 @@ def _sequence_outputs(model, batch):
 
 
 def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = "npo",
-                     params: MethodParams | None = None) -> GradientRun:
+                     params: MethodParams | None = None, prompt_format: str = "qa") -> GradientRun:
     """`train` with a gradient method of the registry by name (its default parameters unless `params`)."""
     from grom_core.methods import get_method
 
     entry = get_method(method)
     if entry.objective is None:
         raise DataError(f"'{method}' is not a gradient method; call run_grom for the closed form")
-    return train(model, tokenizer, forget, retain, params or entry.params(), entry.objective, name=method)
+    return train(model, tokenizer, forget, retain, params or entry.params(), entry.objective, name=method,
+                 prompt_format=prompt_format)
 
 
 def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, objective: Objective,
-          name: str = "gradient") -> GradientRun:
+          name: str = "gradient", prompt_format: str = "qa") -> GradientRun:
     """Train `model` to forget `forget` and keep `retain` with a gradient method; return the weight deltas as an Edit.
 
     Args:
         params: the method's parameters, with its composer (`params.compose`) and recipe (`params.trainer`).
         objective: its forget loss and what that loss needs (a frozen reference model, "I don't know" answers).
         name: the method's name, for logs and the edit's parameters.
+        prompt_format: how QA pairs become text (grom_core.data.PROMPT_FORMATS).
 
     The model's weights are the same before and after the call (restored exactly); apply the returned edit.
     """
@@ -125,13 +127,13 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
             order = list(range(len(forget_ex)))
             rng.shuffle(order)
             forget_batches = make_batches(tokenizer, [forget_ex[i] for i in order], trainer.batch_size,
-                                          trainer.max_length)
-            idk_batches = (make_batches(tokenizer, [Example(question=forget_ex[i].question, answer=rng.choice(idk))
-                                                    for i in order], trainer.batch_size, trainer.max_length)
+                                          trainer.max_length, fmt=prompt_format)
+            preferred = [Example(question=forget_ex[i].question, answer=rng.choice(idk)) for i in order] if idk else []
+            idk_batches = (make_batches(tokenizer, preferred, trainer.batch_size, trainer.max_length, fmt=prompt_format)
                            if idk else [None] * len(forget_batches))
             retain_order = rng.sample(range(len(retain_ex)), len(retain_ex))
             retain_batches = make_batches(tokenizer, [retain_ex[i] for i in retain_order], trainer.batch_size,
-                                          trainer.max_length)
+                                          trainer.max_length, fmt=prompt_format)
             epoch_f = epoch_r = 0.0
             for first in range(0, len(forget_batches), trainer.grad_accum):
                 group = range(first, min(first + trainer.grad_accum, len(forget_batches)))
