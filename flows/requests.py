@@ -89,7 +89,7 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     quantizers = evaluation.pop("quantizers", None)
     outcome = compute(timings, ws, model=str(model_dir), forget=str(batch), retain=service.retain_path,
                       method=DEFAULT_METHOD, params=service.params, evaluation=None, quantizers=quantizers,
-                      max_examples=evaluation.get("max_examples", 200))
+                      max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format)
     reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized)
     promoted = not reasons
     tags = {"grom.kind": "request", "grom.owner": owner, "parent_version": parent, "promoted": str(promoted).lower(),

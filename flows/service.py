@@ -14,6 +14,7 @@ from pathlib import Path
 from prefect.transactions import transaction
 
 from flows.workspace import Workspace
+from grom_core.data import prompt_format as data_prompt_format
 from grom_core.edit import Edit, Undo
 from grom_core.errors import DataError
 from grom_core.fingerprint import data_digest, weights_fingerprint
@@ -46,7 +47,8 @@ def _catalog(ws: Workspace) -> Catalog:
 
 
 def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,
-                   params: dict | None = None, gates: dict | None = None, evaluation: dict | None = None) -> dict:
+                   params: dict | None = None, gates: dict | None = None, evaluation: dict | None = None,
+                   prompt_format: str = "qa") -> dict:
     """Register a base model in MLflow as a service that answers deletion requests.
 
     The retain data is copied into the lake (Parquet) so later runs do not depend on the file staying put. When
@@ -57,6 +59,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
 
     preflight(model, retain, retain, params or {})
     params = method_params(DEFAULT_METHOD, params).to_dict()
+    prompt_format = data_prompt_format(prompt_format).name
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
     name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
@@ -74,7 +77,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     previous = serving_version(ws.root, name)
     promoted = previous is None
     service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest, params=params,
-                            gates=gates, evaluation=evaluation)
+                            gates=gates, evaluation=evaluation, prompt_format=prompt_format)
     with transaction():  # a failed catalog commit deletes the version and moves the alias back
         registration = register(ws.root, run_name=f"register-{name}", model_name=name,
                                 params={"model_dir": str(model_path), "retain": str(retain)}, metrics={},
@@ -88,6 +91,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     return {"model_name": name, "version": registration.version, "serving": promoted,
             "serving_version": registration.version if promoted else previous, "fingerprint": fingerprint,
             "retain": str(retain_path), "retain_examples": len(rows), "gates": gates, "evaluation": evaluation,
+            "prompt_format": prompt_format,
             "mlflow_run_id": registration.run_id}
 
 

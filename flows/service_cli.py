@@ -77,6 +77,8 @@ def model_register(
     params: Annotated[str | None, typer.Option(help='GROM parameters as JSON, e.g. {"beta": 80}.')] = None,
     evaluation: Annotated[str | None, typer.Option(help='Evaluation settings as JSON: {"max_examples": 200, '
                                                         '"quantizers": ["fp4", "nf4"]}.')] = None,
+    prompt_format: Annotated[str, typer.Option(help="How the service's QA pairs become text: qa, completion (a "
+                                                    "pretrained base model) or chat.")] = "qa",
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -87,9 +89,9 @@ def model_register(
     options = {"gates": json_option(gates, "--gates"), "params": json_option(params, "--params"),
                "evaluation": json_option(evaluation, "--evaluation")}
     if benchmark:
-        result = register_benchmark_model(benchmark, name=name, home=home, **options)
+        result = register_benchmark_model(benchmark, name=name, home=home, **options)  # its own format: qa
     elif model and retain:
-        result = register_model(model, retain, name=name, home=home, **options)
+        result = register_model(model, retain, name=name, home=home, prompt_format=prompt_format, **options)
     else:
         raise GromError("give --model DIR and --retain FILE, or --benchmark minitofu")
     emit(result, as_json, key_values(Table(title=f"registered {result['model_name']} v{result['version']}"),

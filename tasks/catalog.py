@@ -59,6 +59,8 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS services (
         model_name VARCHAR PRIMARY KEY, retain_path VARCHAR, retain_digest VARCHAR, params JSON, gates JSON,
         evaluation JSON, created_at TIMESTAMP)""",
+    # how a service's data becomes text (grom_core.data.PROMPT_FORMATS)
+    "ALTER TABLE services ADD COLUMN IF NOT EXISTS prompt_format VARCHAR DEFAULT 'qa'",
 ]
 
 LOCK_TIMEOUT_ENV = "GROM_CATALOG_LOCK_TIMEOUT_S"

@@ -311,6 +311,10 @@ def test_bad_inputs_exit_with_one_line_and_change_nothing(harness, trained_dir, 
           "--gates", "{max: 1}", *h), "not valid JSON"),
         (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc",
           "--gates", '{"max_forget_rouge": 0.4}', *h), "unknown gates"),
+        (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc2",
+          "--prompt-format", "alpaca", *h), "unknown prompt format"),
+        (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc2",
+          "--params", '{"beta": "high"}', *h), "beta must be float"),
     ]
     before = registry_state(home)
     for args, message in cases:
@@ -341,6 +345,14 @@ def test_bad_inputs_exit_with_one_line_and_change_nothing(harness, trained_dir, 
     code, out, err = grom(capsys, monkeypatch, "request", "process", *h)
     assert code == 2 and "no version in service" in err and "Traceback" not in err
     assert request_statuses(home) == {1: ("pending", None)}  # claimed, then released
+
+
+def test_a_service_keeps_its_prompt_format(trained_dir, data, tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    registered = grom_json(capsys, monkeypatch, "model", "register", "--model", str(trained_dir), "--retain",
+                           data["retain"], "--name", "svc", "--prompt-format", "completion", "--home", str(home))
+    assert registered["prompt_format"] == "completion"
+    assert queue.get_service(Catalog(home / "catalog.duckdb"), "svc").prompt_format == "completion"
 
 
 def test_read_only_workspace_is_a_one_line_error(tmp_path, data, capsys, monkeypatch):
