@@ -23,6 +23,10 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
         assert {"forget_rougeL_recall", "forget_quality", "model_utility"} <= set(row["metrics"])
         assert "recovery_forget_rougeL_recall" in row["quantized"][ATTACK]
     assert rows[0]["time_ratio_to_closed_form"] == 1.0 and rows[2]["steps"] > 0
+    floor = result["floor"]
+    assert result["floor_seconds"] == floor["forget_s"] + floor["retain_s"]
+    assert floor["forget_tokens"] < floor["retain_tokens"]  # forget10 against retain90
+    assert all(r["time_ratio_to_floor"] == pytest.approx(r["seconds"] / result["floor_seconds"]) for r in rows)
     after, before = rows[0]["metrics"], result["before"]
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
     assert (tmp_path / "bench").is_dir() and result["plot"].endswith(".png")
