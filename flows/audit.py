@@ -117,7 +117,7 @@ def refit_check(ws: Workspace, edit: dict, run: dict, influence: list[dict], n: 
     from grom_core.fingerprint import weights_fingerprint
     from grom_core.methods import MethodContext, method_params, refit_without
     from tasks.lake import LakeStatsStore, dataset_path
-    from tasks.records import TEXT_COLUMNS
+    from tasks.records import text_rows
     from tasks.steps import load_for_edit
 
     if not influence:
@@ -129,8 +129,7 @@ def refit_check(ws: Workspace, edit: dict, run: dict, influence: list[dict], n: 
     lake = ws.root / "lake"
     tables = {role: pq.read_table(dataset_path(lake, role, run[f"{role}_digest"])).to_pylist()
               for role in ("forget", "retain")}
-    rows = {role: [{k: v for k, v in r.items() if k in TEXT_COLUMNS and v is not None} for r in table]
-            for role, table in tables.items()}
+    rows = {role: text_rows(table) for role, table in tables.items()}
     candidates = [e["example_index"] for e in influence if not e["purged"] and rows["forget"][e["example_index"]]]
     if not candidates:
         raise DataError(f"the forget text of edit {edit['edit_id']} was purged: it cannot be refit (that is what "

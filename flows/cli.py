@@ -16,6 +16,7 @@ from flows.console import (
     emit,
     err,
     json_option,
+    key_values,
     quantization_table,
     setup_logging,
 )
@@ -162,11 +163,7 @@ def evaluate(
     result = evaluate_model(model, benchmark, split=split, reference=retain_reference,
                             save_reference=save_reference, data_dir=data_dir, home=home,
                             max_new_tokens=max_new_tokens, batch_size=batch_size)
-    table = Table(title=f"{benchmark} {result['split']}: {model}")
-    table.add_column("metric")
-    table.add_column("value")
-    for key, value in result["metrics"].items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    table = key_values(Table(title=f"{benchmark} {result['split']}: {model}"), result["metrics"], "metric")
     table.caption = f"n = {result['n']}, {result['seconds']:.1f} s"
     emit({k: v for k, v in result.items() if k != "per_question"} | {"per_question": result["per_question"]},
           as_json, table)
@@ -195,12 +192,7 @@ def finetune(
     shape = TinyModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                             num_layers=layers)
     result = finetune_command(data, out, base, train, shape)
-    table = Table(title="finetune")
-    table.add_column("item")
-    table.add_column("value")
-    for key, value in result.items():
-        table.add_row(key, str(value))
-    emit(result, as_json, table)
+    emit(result, as_json, key_values(Table(title="finetune"), result))
 
 
 @app.command("tofu-score")
@@ -214,12 +206,7 @@ def tofu_score(
 
     setup_logging(False)
     result = tofu_score_command(model_logs, retain)
-    table = Table(title="TOFU")
-    table.add_column("metric")
-    table.add_column("value")
-    for key, value in result.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    emit(result, as_json, table)
+    emit(result, as_json, key_values(Table(title="TOFU"), result, "metric"))
 
 
 @app.command()

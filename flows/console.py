@@ -83,8 +83,9 @@ def quantization_table(result: dict) -> Table | None:
     return table
 
 
-def key_values(table: Table, payload: dict) -> Table:
-    table.add_column("item")
+def key_values(table: Table, payload: dict, key_column: str = "item") -> Table:
+    """A two-column table of `payload`: numbers to 4 significant digits, nested values as JSON."""
+    table.add_column(key_column)
     table.add_column("value")
     for key, value in payload.items():
         table.add_row(key, fmt(value) if not isinstance(value, dict | list) else json.dumps(value, default=str))

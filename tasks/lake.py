@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from grom_core.closed_form import SolveRecord
 from grom_core.statistics import GramStats
+from tasks.records import TEXT_COLUMNS
 
 
 def safe_name(text: str) -> str:
@@ -122,7 +123,7 @@ def purge_forget_text(dataset_path: Path, edit_id: str, root: Path) -> None:
     """Drop the raw forget text from the lake once its request is answered: the ingested dataset keeps only its
     sha256 column, and the key shards lose their gold token ids (which spell the answers); keys stay."""
     table = pq.read_table(dataset_path)
-    kept = [c for c in table.column_names if c not in ("question", "answer", "text")]
+    kept = [c for c in table.column_names if c not in TEXT_COLUMNS]
     atomic_parquet(table.select(kept), dataset_path)
     for shard in (root / "keys" / edit_id).glob("*.parquet"):
         keys = pq.read_table(shard)

@@ -18,6 +18,11 @@ from grom_core.fingerprint import data_digest, text_sha256
 TEXT_COLUMNS = ("question", "answer", "text")
 
 
+def text_rows(rows) -> list[dict]:
+    """The examples of stored rows (question/answer or text), without their sha256 and empty columns."""
+    return [{k: v for k, v in r.items() if k in TEXT_COLUMNS and v is not None} for r in rows]
+
+
 def example_sha256(row: Mapping) -> str:
     """The sha256 that identifies an example once its text is purged."""
     content = row.get("text") if row.get("text") is not None else f"{row['question']}\n{row['answer']}"
@@ -41,7 +46,7 @@ class Dataset:
 
     def rows(self) -> list[dict]:
         """The examples (question/answer or text), without their sha256."""
-        return [{k: v for k, v in r.items() if k in TEXT_COLUMNS and v is not None} for r in self.rows_with_sha()]
+        return text_rows(self.rows_with_sha())
 
     def rows_with_sha(self) -> list[dict]:
         import pyarrow.parquet as pq

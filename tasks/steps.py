@@ -37,6 +37,7 @@ from tasks.records import (
     Ingested,
     StatsUsage,
     Unlearned,
+    text_rows,
     with_sha256,
 )
 
@@ -213,8 +214,7 @@ def _lake_rows(path: str | None) -> list[dict]:
 
     if path is None:
         raise DataError("an own-data evaluation needs the forget and retain datasets")
-    return [{k: v for k, v in r.items() if k in ("question", "answer", "text") and v is not None}
-            for r in pq.read_table(path).to_pylist()]
+    return text_rows(pq.read_table(path).to_pylist())
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
