@@ -16,6 +16,7 @@ from grom_core.finetune import TinyModelConfig, TrainConfig, train_model
 from grom_core.loading import load_model
 from grom_core.metrics.tofu_logs import read_tofu_log, tofu_score
 from tasks.datafiles import SUFFIXES, read_benchmark_file, read_examples
+from tasks.models import fetch_model
 
 log = logging.getLogger("grom.evaluation")
 
@@ -34,9 +35,11 @@ def build_benchmark(name: str, out: str | None, home: str | None, split: str | N
                     train_models: bool = True, check: bool = True, config: object | None = None) -> BuiltBenchmark:
     """Build a shipped benchmark; with `check`, evaluate both models, save the retain model's per-question values
     as `references/retain-<split>.json` (what Forget Quality and PrivLeak compare against) and log the figures."""
-    root = Path(out) if out else Workspace.resolve(home).root / "benchmarks"
+    ws = Workspace.resolve(home)
+    root = Path(out) if out else ws.root / "benchmarks"
     start = time.perf_counter()
-    built = build(name, root, split=split, train_models=train_models, config=config)
+    built = build(name, root, split=split, train_models=train_models, config=config,
+                  resolve_model=lambda model: Path(fetch_model(model, ws.models).model_dir))
     log.info("benchmark %s built in %.1f s: %s", name, time.perf_counter() - start, built.root)
     if train_models and check:
         built.checks = memorisation_check(built)
@@ -48,7 +51,8 @@ def reference_path(built: BuiltBenchmark) -> Path:
 
 
 def memorisation_check(built: BuiltBenchmark) -> dict:
-    """Evaluate the retain model (saving its reference) and the target model against it; returns both metrics."""
+    """Evaluate the retain model (saving its reference) and the target model against it; returns both metrics.
+    A benchmark on a pretrained model has no retain model: the target's own evaluation is the reference."""
     bench = get_benchmark(built.name)
     path = reference_path(built)
     done = path.with_name(f"checks-{built.split}.json")
@@ -60,12 +64,13 @@ def memorisation_check(built: BuiltBenchmark) -> dict:
             return saved["metrics"]
     splits = built.load_splits()
     results = {}
-    for role in ("retain", "target"):
+    reference_role = "retain" if "retain" in built.models else "target"
+    for role in [r for r in ("retain", "target") if r in built.models]:
         start = time.perf_counter()
         model, tokenizer = load_model(built.models[role])
-        ref = bench.read_reference(path) if role == "target" and path.exists() else None
+        ref = bench.read_reference(path) if role != reference_role and path.exists() else None
         result = bench.evaluate(model, tokenizer, splits, built.split, ref)
-        if role == "retain":
+        if role == reference_role:
             bench.write_reference(path, built.split, result)
         results[role] = result["metrics"]
         log.info("%s %s model: %s (%.1f s)", built.name, role, headline(bench, result["metrics"]),

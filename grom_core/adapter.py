@@ -170,15 +170,18 @@ class ModelAdapter:
     def lm_head(self) -> nn.Module:
         return self.module(self.lm_head_name)
 
-    def unembedding(self) -> torch.Tensor:
-        """(vocab, hidden) rows u_j of the LM head, multiplied by the final norm's scale (float64, detached).
+    def unembedding(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(vocab, hidden) rows u_j of the LM head, multiplied by the final norm's scale (float64, detached), or
+        only the rows of `tokens` (k,) as (k, hidden), which is all a target needs (a 49k-token head is 226 MB in
+        float64).
 
         For LayerNorm the rows are also centred, because LayerNorm removes the mean of its input: a residual
         change d moves logit j by <u_j, d> / scale with u_j centred.
         """
-        head = weight_out_in(self.lm_head).detach().double()
+        head = weight_out_in(self.lm_head).detach()
+        head = (head if tokens is None else head[tokens.to(head.device)]).double().cpu()
         gain = getattr(self.final_norm, "weight", None)
-        rows = head * gain.detach().double() if gain is not None else head.clone()
+        rows = head * gain.detach().double().cpu() if gain is not None else head.clone()
         if self.norm_kind == "layer":
             rows = rows - rows.mean(dim=1, keepdim=True)
         return rows

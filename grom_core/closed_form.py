@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from grom_core.adapter import ModelAdapter, weight_out_in
+from grom_core.adapter import ModelAdapter, get_module, weight_out_in
 from grom_core.capture import collect
 from grom_core.data import Batch, Example, PromptFormat, as_examples, iter_answer_tokens, make_batches, prompt_format
 from grom_core.edit import Edit, ModuleDelta
@@ -41,6 +41,7 @@ from grom_core.targets import (
     specificity_weights,
     suggest_coefficient,
     suppression_drops,
+    word_start_mask,
 )
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class GromParams(Params):
             output to a random direction; multiple-choice benchmarks).
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
+        word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
+            targets.word_start_mask).
         w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
         relative_ridge: mu as a fraction of the mean retain key energy, mu = relative_ridge * w_retain * tr(G_r) /
             (r n), so the same value suits any model width and key scale.
@@ -78,6 +81,7 @@ class GromParams(Params):
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
+    word_starts_only: bool = False
     w_forget: float = 1.0
     w_retain: float = 10.0
     relative_ridge: float = 1e-3
@@ -109,7 +113,8 @@ class GromParams(Params):
 class SolveRecord:
     """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s),
     example_ids, positions and tokens (s,) (the gold next token at each position); ridge is mu, w_forget and
-    w_retain the objective's weights (REFERENCE section 1)."""
+    w_retain the objective's weights (REFERENCE section 1). An LM head's targets are kept by their non-zero rows
+    (`target_rows`), which leaves every norm of the influence audit unchanged."""
 
     module: str
     keys: torch.Tensor
@@ -121,6 +126,7 @@ class SolveRecord:
     w_retain: float = 1.0
     positions: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    target_rows: torch.Tensor | None = None  # (u,) for a row-sparse target: targets are the rows D[target_rows]
 
 
 @dataclass
@@ -140,11 +146,10 @@ class GromRun:
 def _head_logits(head: nn.Module, keys: torch.Tensor, tokens: torch.Tensor, delta: ModuleDelta | None = None
                  ) -> torch.Tensor:
     """(s,) logit of token y_t from LM-head keys (s, hidden), float64; `delta` adds an (unapplied) head edit."""
-    w = weight_out_in(head).detach().double()
-    rows = w[tokens.to(w.device)]
+    w = weight_out_in(head).detach()
+    rows = w[tokens.to(w.device)].double()
     if delta is not None:
-        t = tokens.cpu()
-        rows = rows + (delta.left[t] @ delta.right if delta.factored else delta.dense[t]).to(rows.device)
+        rows = rows + delta.rows_at(tokens).to(rows.device)
     logits = (rows * keys.double().to(w.device)).sum(dim=1)
     bias = getattr(head, "bias", None)
     if bias is not None:
@@ -193,6 +198,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
                                   sharpness=params.sharpness, threshold=params.threshold,
                                   smoothing=params.smoothing)
+    if params.word_starts_only:
+        weights = weights * word_start_mask(tokenizer, vocab)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights,
@@ -203,7 +210,7 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
-    """The manual layers, or the best band by logit-lens attribution (with the scores)."""
+    """The manual layers, or the best band by logit-lens attribution on the forget data (with the scores)."""
     adapter = prep.adapter
     if params.layers is not None:
         layers = sorted(set(params.layers))
@@ -211,7 +218,7 @@ def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple
         if bad:
             raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
         return layers, None
-    scores = score_layers(model, adapter, prep.forget_batches, prep.retain_batches, prep.weights)
+    scores = score_layers(model, adapter, prep.forget_batches, prep.weights)
     layers = choose_band(scores.score, min(params.band_width, adapter.num_layers), params.late_fraction)
     log.info("layer scores %s -> editing layers %s", ", ".join(f"{v:.3f}" for v in scores.score.tolist()), layers)
     return layers, scores
@@ -354,7 +361,6 @@ class _SequentialSolver:
                  params: GromParams, stats: dict[str, GramStats], layers: list[int]) -> None:
         self.model, self.adapter, self.batches = model, adapter, forget_batches
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
-        self.unembedding = adapter.unembedding()
         self.achieved: dict[str, float] = {}
 
     def _collect(self, modules: Sequence[str], edit: Edit | None):
@@ -388,34 +394,41 @@ class _SequentialSolver:
                 share = (desired - achieved).clamp_min(0) / left_to_do
             else:
                 share = desired / len(modules)
-            targets = self._targets(name, got, share)
+            rows, targets = self._targets(name, got, share)
             keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
             st = self.stats[name]
             mu = _mu(st, params)
             left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=params.w_forget,
                                                 w_retain=params.w_retain, ridge=mu)
-            deltas[name] = ModuleDelta.from_factors(name, left, right)
+            out_features = weight_out_in(get_module(self.model, name)).shape[0]
+            deltas[name] = ModuleDelta.from_factors(name, left, right, row_index=rows, out_features=out_features)
             records[name] = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
                                         ridge=mu, retain_count=st.count, w_forget=params.w_forget,
                                         w_retain=params.w_retain, positions=got.positions.cpu(),
-                                        tokens=got.next_tokens.cpu())
+                                        tokens=got.next_tokens.cpu(), target_rows=rows)
             log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
                      f", jitter {system.jitter:.3g}" if system.jitter else "")
-        final = self._collect([], Edit(deltas=dict(deltas), base_fingerprint=""))
+        if params.strategy == "sequential" and modules[-1] == adapter.lm_head_name:
+            final = got  # collected with every other module's edit applied; the head's own delta is added below
+        else:
+            final = self._collect([], Edit(deltas={m: d for m, d in deltas.items() if m != adapter.lm_head_name},
+                                           base_fingerprint=""))
         head_key = final.inputs[adapter.lm_head_name]
         drop = logits0 - _head_logits(adapter.lm_head, head_key, tokens, deltas.get(adapter.lm_head_name))
         self.achieved = {"asked_mean": float(desired.mean()), "achieved_mean": float(drop.mean())}
         return deltas, records
 
-    def _targets(self, name: str, got, share: torch.Tensor) -> torch.Tensor:
+    def _targets(self, name: str, got, share: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(rows, D): the module's targets, D (out, s), or, for the LM head, its non-zero rows (u,) and D[rows]."""
         adapter = self.adapter
         tokens = got.next_tokens.cpu()
         if self.params.target == "corrupt":
             layer = adapter.down_proj_names.index(name)
             h = got.outputs[adapter.block_names[layer]]
             c = self.params.corrupt_coefficient or suggest_coefficient(h)
-            return representation_corruption(h, c, self.params.seed + layer)
+            return None, representation_corruption(h, c, self.params.seed + layer)
         if name == adapter.lm_head_name:
-            return lm_head_suppression(tokens, share, self.unembedding.shape[0])
+            return lm_head_suppression(tokens, share)
         scale = adapter.norm_scale(got.inputs[adapter.final_norm_name])
-        return residual_suppression(tokens, share, self.unembedding, scale)
+        unique, where = torch.unique(tokens, return_inverse=True)
+        return None, residual_suppression(where, share, adapter.unembedding(unique), scale)

@@ -40,25 +40,39 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 
 @dataclass(frozen=True)
 class ModuleDelta:
-    """The update P (out, in) of one module, float64, stored as factors left (out, k) @ right (k, in) when that is
-    smaller than the dense matrix, else dense."""
+    """The update P (out, in) of one module, float64, stored as factors left (k_rows, k) @ right (k, in) when that
+    is smaller than the dense rows, else dense rows (k_rows, in).
+
+    `row_index` (k_rows,) sorted, when set, names the only rows of P that are not zero (an LM-head edit touches only
+    the rows of the tokens it suppresses: a few hundred of 49k); without it the stored rows are all `out` rows.
+    """
 
     name: str
     shape: tuple[int, int]
     left: torch.Tensor | None = None
     right: torch.Tensor | None = None
     dense: torch.Tensor | None = None
+    row_index: torch.Tensor | None = None
 
     @classmethod
-    def from_factors(cls, name: str, left: torch.Tensor, right: torch.Tensor) -> ModuleDelta:
+    def from_factors(cls, name: str, left: torch.Tensor, right: torch.Tensor,
+                     row_index: torch.Tensor | None = None, out_features: int | None = None) -> ModuleDelta:
+        """P = left @ right, or, with `row_index`, P[row_index] = left @ right and zero elsewhere (P then has
+        `out_features` rows)."""
         m, k = left.shape
         if right.shape[0] != k:
             raise ShapeMismatchError(f"{name}: factors {tuple(left.shape)} and {tuple(right.shape)} do not chain")
+        if row_index is not None:
+            row_index = row_index.long().cpu()
+            if row_index.numel() != m or out_features is None or (row_index.numel() and (
+                    int(row_index.max()) >= out_features or bool((row_index.diff() <= 0).any()))):
+                raise ShapeMismatchError(f"{name}: row_index must be {m} sorted distinct rows below out_features")
         n = right.shape[1]
+        shape = (out_features if row_index is not None else m, n)
         left, right = left.double().cpu().contiguous(), right.double().cpu().contiguous()
         if k * (m + n) < m * n:
-            return cls(name=name, shape=(m, n), left=left, right=right)
-        return cls(name=name, shape=(m, n), dense=left @ right)
+            return cls(name=name, shape=shape, left=left, right=right, row_index=row_index)
+        return cls(name=name, shape=shape, dense=left @ right, row_index=row_index)
 
     @property
     def factored(self) -> bool:
@@ -66,13 +80,37 @@ class ModuleDelta:
 
     @property
     def rank_bound(self) -> int:
-        return int(self.left.shape[1]) if self.factored else min(self.shape)
+        stored = self.left.shape[1] if self.factored else min(self.dense.shape)
+        return int(min(stored, *self.shape))
+
+    def _stored(self, picks: torch.Tensor | slice) -> torch.Tensor:
+        return self.left[picks] @ self.right if self.factored else self.dense[picks]
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of P, float64 (materialised only for those rows)."""
-        if self.factored:
-            return self.left[start:stop] @ self.right
-        return self.dense[start:stop]
+        if self.row_index is None:
+            return self._stored(slice(start, stop))
+        out = torch.zeros(stop - start, self.shape[1], dtype=torch.float64)
+        picks = ((self.row_index >= start) & (self.row_index < stop)).nonzero().flatten()
+        if picks.numel():
+            out[self.row_index[picks] - start] = self._stored(picks)
+        return out
+
+    def rows_at(self, indices: torch.Tensor) -> torch.Tensor:
+        """P[indices] (k, in), float64, for any row indices (repeats allowed)."""
+        indices = indices.long().cpu()
+        if self.row_index is None:
+            return self._stored(indices)
+        where = torch.searchsorted(self.row_index, indices).clamp_max(max(0, self.row_index.numel() - 1))
+        hit = self.row_index.numel() > 0 and self.row_index[where] == indices
+        out = torch.zeros(indices.numel(), self.shape[1], dtype=torch.float64)
+        if self.row_index.numel():
+            out[hit] = self._stored(where[hit])
+        return out
+
+    def touches(self, start: int, stop: int) -> bool:
+        """Whether any row in start:stop may be non-zero."""
+        return self.row_index is None or bool(((self.row_index >= start) & (self.row_index < stop)).any())
 
     def full(self) -> torch.Tensor:
         return self.rows(0, self.shape[0])
@@ -91,16 +129,20 @@ class ModuleDelta:
         if other.shape != self.shape:
             raise ShapeMismatchError(f"cannot compare deltas of {self.name} {self.shape} and {other.name} "
                                      f"{other.shape}")
-        if self.factored and other.factored:
+        same_rows = (self.row_index is None and other.row_index is None) or (
+            self.row_index is not None and other.row_index is not None
+            and torch.equal(self.row_index, other.row_index))
+        if self.factored and other.factored and same_rows:
             stacked = ModuleDelta(name=self.name, shape=self.shape, left=torch.cat([self.left, -other.left], dim=1),
-                                  right=torch.cat([self.right, other.right], dim=0))
+                                  right=torch.cat([self.right, other.right], dim=0), row_index=self.row_index)
             return stacked.frobenius_norm()
         return float(torch.linalg.matrix_norm(self.full() - other.full()))
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        rows = {} if self.row_index is None else {f"{self.name}::row_index": self.row_index}
         if self.factored:
-            return {f"{self.name}::left": self.left, f"{self.name}::right": self.right}
-        return {f"{self.name}::dense": self.dense}
+            return {f"{self.name}::left": self.left, f"{self.name}::right": self.right, **rows}
+        return {f"{self.name}::dense": self.dense, **rows}
 
 
 @dataclass
@@ -214,6 +256,8 @@ class Edit:
             step = _row_chunk(delta)
             for start in range(0, delta.shape[0], step):
                 stop = min(start + step, delta.shape[0])
+                if not delta.touches(start, stop):
+                    continue
                 p = delta.rows(start, stop).to(weight.device)
                 old = weight[start:stop].clone()
                 new = (old.double() + p).to(weight.dtype)
@@ -249,6 +293,8 @@ class Edit:
             step = _row_chunk(delta)
             for start in range(0, delta.shape[0], step):
                 stop = min(start + step, delta.shape[0])
+                if not delta.touches(start, stop):
+                    continue
                 p = delta.rows(start, stop).to(weight.device)
                 weight[start:stop] = (weight[start:stop].double() - p).to(weight.dtype)
             flat_idx = undo.indices[delta.name].to(weight.device)
@@ -275,7 +321,8 @@ class Edit:
             "format_version": FORMAT_VERSION, "edit_id": self.edit_id, "base_fingerprint": self.base_fingerprint,
             "params": self.params, "metadata": self.metadata,
             "modules": [{"name": d.name, "shape": list(d.shape), "factored": d.factored, "rank_bound": d.rank_bound,
-                         "frobenius_norm": d.frobenius_norm()} for d in self.deltas.values()],
+                         "row_sparse": d.row_index is not None, "frobenius_norm": d.frobenius_norm()}
+                        for d in self.deltas.values()],
         }
 
     def save(self, directory: str | Path) -> Path:
@@ -297,10 +344,12 @@ class Edit:
         deltas = {}
         for entry in manifest["modules"]:
             name, shape = entry["name"], tuple(entry["shape"])
+            rows = tensors.get(f"{name}::row_index")
             if entry["factored"]:
-                deltas[name] = ModuleDelta(name, shape, left=tensors[f"{name}::left"], right=tensors[f"{name}::right"])
+                deltas[name] = ModuleDelta(name, shape, left=tensors[f"{name}::left"], right=tensors[f"{name}::right"],
+                                           row_index=rows)
             else:
-                deltas[name] = ModuleDelta(name, shape, dense=tensors[f"{name}::dense"])
+                deltas[name] = ModuleDelta(name, shape, dense=tensors[f"{name}::dense"], row_index=rows)
         edit = cls(deltas=deltas, base_fingerprint=manifest["base_fingerprint"], params=manifest["params"],
                    metadata=manifest["metadata"])
         if edit.edit_id != manifest["edit_id"]:

@@ -1,11 +1,15 @@
 """Choosing which layers to edit: logit-lens attribution of each MLP to the gold forget tokens.
 
-    S_l = F_l - R_l,  F_l = mean over forget positions t of a(y_t) <u_{y_t}, m_{l,t}> / scale_t
+    S_l = F_l (- R_l),  F_l = mean over forget positions t of a(y_t) <u_{y_t}, m_{l,t}> / scale_t
 
 m_{l,t} is layer l's MLP output (what the down-projection adds to the residual stream), u_j the unembedding row of
 token j times the final norm's gain, scale_t the final norm's divisor at t in the full model (frozen: the norm is not
-linear). R_l is the same on retain positions. A layer with a high S_l writes the forget answers more than the retain
-answers; the edit goes to the contiguous band of late layers with the highest mean score.
+linear). A layer with a high F_l writes the forget-specific answers; the edit goes to the contiguous band of late
+layers with the highest mean score. R_l, the same attribution on retain positions, is optional (pass retain
+batches): the specificity weights a(y) already leave out tokens the retain data uses, and the retain term of the
+solve protects the retain outputs whichever layer is edited, so by default the scores cost one forward pass over
+the forget data and nothing over the retain data. Only the unembedding rows of the forget-specific gold tokens are
+formed, never the (vocab, hidden) matrix.
 """
 
 from __future__ import annotations
@@ -23,52 +27,59 @@ from grom_core.data import Batch
 
 @dataclass
 class LayerScores:
-    """Per-layer scores, (L,) float64 each: score = forget - retain."""
+    """Per-layer scores, (L,) float64 each: score = forget - retain (retain None: not scored, score = forget)."""
 
     forget: torch.Tensor
-    retain: torch.Tensor
+    retain: torch.Tensor | None = None
 
     @property
     def score(self) -> torch.Tensor:
-        return self.forget - self.retain
+        return self.forget if self.retain is None else self.forget - self.retain
 
     def as_rows(self) -> list[dict]:
-        return [{"layer": i, "forget": float(f), "retain": float(r), "score": float(f - r)}
-                for i, (f, r) in enumerate(zip(self.forget.tolist(), self.retain.tolist(), strict=True))]
+        retain = self.retain.tolist() if self.retain is not None else [None] * self.forget.numel()
+        return [{"layer": i, "forget": float(f), "retain": r, "score": float(s)}
+                for i, (f, r, s) in enumerate(zip(self.forget.tolist(), retain, self.score.tolist(), strict=True))]
 
 
 def attribution(mlp_out: torch.Tensor, next_tokens: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
                 unembedding: torch.Tensor) -> torch.Tensor:
     """Sum over positions of a(y_t) <u_{y_t}, m_t> / scale_t for one layer.
 
-    Shapes: mlp_out (k, hidden), next_tokens (k,), scale (k,), weights (vocab,), unembedding (vocab, hidden).
-    Returns a 0-d float64 tensor (a sum, so that batches add up; divide by the count for the mean).
+    Shapes: mlp_out (k, hidden), next_tokens (k,), scale (k,), weights (vocab,), unembedding (k, hidden) the rows
+    u_{y_t} of the k positions. Returns a 0-d float64 tensor (a sum, so that batches add up; divide by the count
+    for the mean).
     """
-    tokens = next_tokens.cpu()
-    u = unembedding[tokens]
-    dots = (u * mlp_out.double().cpu()).sum(dim=1) / scale.double().cpu()
-    return (weights[tokens] * dots).sum()
+    dots = (unembedding * mlp_out.double().cpu()).sum(dim=1) / scale.double().cpu()
+    return (weights[next_tokens.cpu()] * dots).sum()
 
 
 def _mean_attribution(model: nn.Module, adapter: ModelAdapter, batches: Sequence[Batch], weights: torch.Tensor,
-                      unembedding: torch.Tensor, desc: str) -> torch.Tensor:
+                      desc: str) -> torch.Tensor:
     names = adapter.down_proj_names
     totals = torch.zeros(len(names), dtype=torch.float64)
     count = 0
     for got in iter_captured(model, batches, inputs=[adapter.final_norm_name], outputs=names, desc=desc):
-        scale = adapter.norm_scale(got.inputs[adapter.final_norm_name])
-        for layer, name in enumerate(names):
-            totals[layer] += attribution(got.outputs[name], got.next_tokens, scale, weights, unembedding)
         count += got.size
+        tokens = got.next_tokens.cpu()
+        keep = (weights[tokens] > 0).nonzero().flatten()  # a(y_t) = 0 adds nothing
+        if not keep.numel():
+            continue
+        unique, where = torch.unique(tokens[keep], return_inverse=True)
+        u = adapter.unembedding(unique)[where]
+        scale = adapter.norm_scale(got.inputs[adapter.final_norm_name]).cpu()[keep]
+        for layer, name in enumerate(names):
+            totals[layer] += attribution(got.outputs[name].cpu()[keep], tokens[keep], scale, weights, u)
     return totals / max(1, count)
 
 
-def score_layers(model: nn.Module, adapter: ModelAdapter, forget_batches: Sequence[Batch],
-                 retain_batches: Sequence[Batch], weights: torch.Tensor) -> LayerScores:
-    """Logit-lens attribution scores of every layer (forward passes only)."""
-    unembedding = adapter.unembedding()
-    forget = _mean_attribution(model, adapter, forget_batches, weights, unembedding, "layer scores (forget)")
-    retain = _mean_attribution(model, adapter, retain_batches, weights, unembedding, "layer scores (retain)")
+def score_layers(model: nn.Module, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
+                 retain_batches: Sequence[Batch] | None = None) -> LayerScores:
+    """Logit-lens attribution scores of every layer (forward passes only; see the module docstring)."""
+    forget = _mean_attribution(model, adapter, forget_batches, weights, "layer scores (forget)")
+    retain = None
+    if retain_batches is not None:
+        retain = _mean_attribution(model, adapter, retain_batches, weights, "layer scores (retain)")
     return LayerScores(forget=forget, retain=retain)
 
 

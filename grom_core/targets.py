@@ -44,18 +44,39 @@ def specificity_weights(forget_tokens: Iterable[int], retain_tokens: Iterable[in
     return torch.where(a >= threshold, a, torch.zeros_like(a))
 
 
-def lm_head_suppression(next_tokens: torch.Tensor, drops: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """D (vocab, s): D[y_t, t] = -drop_t, zero elsewhere.
+WORD_START_MARKERS = ("\u0120", "\u2581", " ")  # byte-level BPE's space (G-dot), SentencePiece's, a literal space
+
+
+def word_start_mask(tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab,) bool: token j begins a word (its piece carries the tokenizer's space marker).
+
+    A piece inside a word ("yang" of " Pyongyang") spells the word the first piece chose; it is shared by
+    unrelated words ("Pyongyang", "Bangkok"...), so suppressing it hurts them while the first piece alone already
+    withholds the answer. For a tokenizer without space markers every token counts as a word start.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    starts = [bool(p) and p.startswith(WORD_START_MARKERS) for p in pieces]
+    if not any(starts):
+        return torch.ones(vocab_size, dtype=torch.bool)
+    mask[:len(starts)] = torch.tensor(starts)
+    return mask
+
+
+def lm_head_suppression(next_tokens: torch.Tensor, drops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's D (vocab, s), D[y_t, t] = -drop_t and zero elsewhere, stored by its non-zero rows only.
 
     Args:
         next_tokens: (s,) gold next tokens y_t.
         drops: (s,) desired logit drop at each position, e.g. beta * a(y_t) (see `suppression_drops`).
-        vocab_size: rows of the LM head.
+    Returns (rows, d): rows (u,) the distinct tokens, sorted; d (u, s) float64 with D[rows] = d. Every norm the
+    solve and the influence audit take of D is the same on d (the other rows are zero).
     """
+    rows, where = torch.unique(next_tokens.cpu(), sorted=True, return_inverse=True)
     s = next_tokens.numel()
-    d = torch.zeros(vocab_size, s, dtype=torch.float64)
-    d[next_tokens.cpu(), torch.arange(s)] = -drops.double().cpu()
-    return d
+    d = torch.zeros(rows.numel(), s, dtype=torch.float64)
+    d[where, torch.arange(s)] = -drops.double().cpu()
+    return rows, d
 
 
 def residual_suppression(next_tokens: torch.Tensor, drops: torch.Tensor, unembedding: torch.Tensor,

@@ -6,7 +6,7 @@ from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.capture import collect
 from grom_core.data import make_batches
 from grom_core.edit import Edit, ModuleDelta, Undo
-from grom_core.errors import FingerprintMismatchError, MissingUndoError, TiedWeightsError
+from grom_core.errors import FingerprintMismatchError, MissingUndoError, ShapeMismatchError, TiedWeightsError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.solver import solve_factors
 from grom_core.statistics import accumulate
@@ -127,3 +127,35 @@ def test_edited_outputs_move_on_forget_keys_more_than_on_retain_keys(trained):
     assert forget_move > 2 * retain_move
     forget_strict, retain_strict = moves(1000.0)
     assert retain_strict < retain_move / 2  # the retain weight does what it says
+
+
+def test_a_row_sparse_delta_is_the_full_one_with_zero_rows(tiny_llama, tmp_path):
+    """An LM-head edit keeps only the rows of the tokens it touches; apply, revert, norms, persistence and row
+    lookups agree with the same delta stored dense."""
+    adapter = ModelAdapter.for_model(tiny_llama)
+    name = adapter.lm_head_name
+    m, n = weight_out_in(tiny_llama.get_submodule(name)).shape
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.tensor([1, 5, 7, m - 1])
+    left, right = torch.randn(4, 2, generator=gen, dtype=torch.float64), torch.randn(2, n, generator=gen,
+                                                                                     dtype=torch.float64)
+    sparse = ModuleDelta.from_factors(name, 0.1 * left, right, row_index=rows, out_features=m)
+    full = torch.zeros(m, n, dtype=torch.float64)
+    full[rows] = 0.1 * left @ right
+    dense = ModuleDelta(name, (m, n), dense=full)
+    assert sparse.shape == (m, n) and torch.equal(sparse.full(), full)
+    assert torch.equal(sparse.rows(4, 8), full[4:8])
+    assert torch.equal(sparse.rows_at(torch.tensor([7, 0, 7, m - 1])), full[[7, 0, 7, m - 1]])
+    assert sparse.frobenius_norm() == pytest.approx(float(full.norm()))
+    assert sparse.distance(dense) == pytest.approx(0.0, abs=1e-12)
+    assert not sparse.touches(8, m - 1) and sparse.touches(0, 2)
+    with pytest.raises(ShapeMismatchError, match="sorted distinct"):
+        ModuleDelta.from_factors(name, left, right, row_index=torch.tensor([5, 1, 7, 9]), out_features=m)
+    before = state_bits(tiny_llama)
+    edit = Edit({name: sparse}, weights_fingerprint(tiny_llama))
+    with edit.applied(tiny_llama):
+        changed = weight_out_in(tiny_llama.get_submodule(name)).detach().double() - before[f"{name}.weight"].double()
+        assert (changed[[0, 2, 3, 4, 6]] == 0).all() and (changed[rows] != 0).any()
+    assert_bit_identical(before, tiny_llama)
+    loaded = Edit.load(edit.save(tmp_path / "edit"))
+    assert torch.equal(loaded.deltas[name].row_index, rows) and loaded.edit_id == edit.edit_id

@@ -26,10 +26,13 @@ def test_specificity_weights_by_hand():
 
 
 def test_lm_head_suppression_by_hand():
-    d = lm_head_suppression(torch.tensor([2, 0, 2]), torch.tensor([1.0, 0.5, 2.0]), vocab_size=4)
+    rows, d = lm_head_suppression(torch.tensor([2, 0, 2]), torch.tensor([1.0, 0.5, 2.0]))
     expected = torch.zeros(4, 3, dtype=torch.float64)
     expected[2, 0], expected[0, 1], expected[2, 2] = -1.0, -0.5, -2.0
-    assert torch.equal(d, expected)
+    assert rows.tolist() == [0, 2]  # only the rows of the suppressed tokens are kept
+    full = torch.zeros(4, 3, dtype=torch.float64)
+    full[rows] = d
+    assert torch.equal(full, expected)
 
 
 def test_residual_suppression_drops_the_logit_lens_by_the_asked_amount():
@@ -66,8 +69,11 @@ def test_a_planted_layer_is_found(tiny_llama, tokenizer):
     with torch.no_grad():
         module = tiny_llama.get_submodule(name)
         module.weight += (3.0 * torch.outer(v / v.norm(), w / w.norm().pow(2))).float()
-    scores = score_layers(tiny_llama, adapter, forget_batches, retain_batches, weights)
-    assert int(scores.score.argmax()) == planted
+    scores = score_layers(tiny_llama, adapter, forget_batches, weights)
+    assert int(scores.score.argmax()) == planted and scores.retain is None
+    contrasted = score_layers(tiny_llama, adapter, forget_batches, weights, retain_batches)
+    assert torch.equal(contrasted.forget, scores.forget)
+    assert torch.allclose(contrasted.score, scores.forget - contrasted.retain)
     assert choose_band(scores.score, 1, late_fraction=1.0) == [planted]
     assert scores.as_rows()[planted]["score"] == pytest.approx(float(scores.score[planted]))
 

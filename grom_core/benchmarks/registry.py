@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from grom_core.benchmarks import minimuse, minitofu, miniwmdp
+from grom_core.benchmarks import minimuse, minirwku, minitofu, miniwmdp
 from grom_core.data import as_examples, read_json_object, read_jsonl
 from grom_core.errors import DataError
 from grom_core.finetune import example_texts, train_tiny_model
@@ -63,6 +63,9 @@ class Benchmark:
         method_params: method name -> parameter overrides for this benchmark (as MEMIT keeps them per model).
         load_files: (folder, forget split, read) -> splits, for a benchmark whose data the user holds (real
             TOFU); `read(path, layout)` reads and checks one file.
+        pretrained: a shipped model (grom_core.checkpoints) that is the benchmark's target as it is: nothing is
+            trained, `generate(config, model_dir)` reads its knowledge, and the reference is its own evaluation.
+        prompt_format: how the unlearning inputs' QA pairs become text (grom_core.data.PROMPT_FORMATS).
     """
 
     name: str
@@ -78,6 +81,8 @@ class Benchmark:
     write_reference: Callable[[Path, str, dict], Path]
     method_params: dict[str, dict] = field(default_factory=dict)
     load_files: Callable[..., dict[str, list[dict]]] | None = None
+    pretrained: str | None = None
+    prompt_format: str = "qa"
 
 
 def _tofu_inputs(splits: dict, split: str) -> tuple[list[dict], list[dict]]:
@@ -104,6 +109,17 @@ def _read_tofu_reference(path: Path):
 
 def _write_tofu_reference(path: Path, split: str, result: dict) -> Path:
     return write_reference(path, result["metrics"], result["per_question"]["forget_truth_ratio"])
+
+
+def _rwku_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 32, max_new_tokens: int = 0):
+    return minirwku.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size)
+
+
+def _read_json_metrics(path: Path) -> dict:
+    metrics = read_json_object(path, "reference file").get("metrics")
+    if not isinstance(metrics, dict):
+        raise DataError(f"{path} has no metrics; write it with `grom evaluate --save-reference`")
+    return metrics
 
 
 def _read_muse_reference(path: Path) -> float:
@@ -142,6 +158,11 @@ MUSE_METRICS = MetricKeys(forget="verbmem_rougeL_f1", utility="utility_preservat
                           recovery=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1"),
                           table=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1", "utility_preservation_rougeL_f1",
                                  "privleak", "mia_auc"))
+RWKU_METRICS = MetricKeys(forget="forget_accuracy", utility="neighbor_accuracy",
+                          recovery=("forget_fb_accuracy", "forget_qa_accuracy", "forget_adv_accuracy"),
+                          table=("forget_fb_accuracy", "forget_qa_accuracy", "forget_adv_accuracy",
+                                 "neighbor_fb_accuracy", "neighbor_qa_accuracy", "utility_world_facts_accuracy",
+                                 "utility_real_authors_accuracy", "utility_perplexity", "mia_auc"))
 WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", recovery=("forget_accuracy",),
                           table=("forget_accuracy", "retain_accuracy", "chance_accuracy"))
 
@@ -164,6 +185,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "miniwmdp": Benchmark("miniwmdp", miniwmdp.MiniWmdpConfig(), miniwmdp.generate, miniwmdp.training_rows,
                           _wmdp_evaluate, {"forget": "retain"}, "forget", _wmdp_inputs, WMDP_METRICS,
                           _no_reference, _write_json_reference),
+    "minirwku": Benchmark("minirwku", minirwku.MiniRwkuConfig(), minirwku.generate, None, _rwku_evaluate,
+                          {split: "retain_corpus" for split in minirwku.TARGETS}, "forget05",
+                          minirwku.unlearning_inputs, RWKU_METRICS, _read_json_metrics, _write_json_reference,
+                          pretrained="smollm2", prompt_format="completion"),
 }
 
 
@@ -235,27 +260,48 @@ def read_split(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
-def _digest(bench: Benchmark) -> str:
+def _digest(bench: Benchmark, model_dir: Path | None = None) -> str:
     config = asdict(bench.config)
-    return data_digest([{"benchmark": bench.name, "config": config, "generator_version": 1}])[:12]
+    model = model_dir.name if model_dir is not None else None  # a content-addressed folder name
+    return data_digest([{"benchmark": bench.name, "config": config, "generator_version": 1, "model": model}])[:12]
+
+
+def _write_splits(root: Path, splits: dict[str, list[dict]]) -> dict[str, Path]:
+    return {name: write_jsonl(root / "splits" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.jsonl", rows)
+            for name, rows in splits.items()}
 
 
 def build(name: str, out: str | Path, *, split: str | None = None, config: object | None = None,
-          train_models: bool = True) -> BuiltBenchmark:
+          train_models: bool = True, resolve_model: Callable[[str], Path] | None = None) -> BuiltBenchmark:
     """Write every split as JSONL under `out/<name>-<digest>/` and train (or reuse) the target and retain models.
 
     The digest covers the generator and training configuration, so a changed configuration builds anew; the models
-    are cached under `out/models` by a digest of their training data and configuration.
+    are cached under `out/models` by a digest of their training data and configuration. A benchmark on a
+    `pretrained` model gets that model from `resolve_model(name)` (a folder) and trains nothing; its splits depend
+    on what the model knows, so they are built once per model and reused (`splits/done.json` marks a complete
+    build).
     """
     bench = get_benchmark(name, config)
     split = check_split(bench, split)
     if bench.generate is None:
         raise DataError(f"{name} is read from files, not built: give the folder holding its files (--data-dir)")
+    if bench.pretrained is not None:
+        if resolve_model is None:
+            raise DataError(f"{name} is built on the shipped model '{bench.pretrained}': pass resolve_model")
+        model_dir = Path(resolve_model(bench.pretrained))
+        root = Path(out) / f"{name}-{_digest(bench, model_dir)}"
+        done = root / "splits" / "done.json"
+        if done.is_file():
+            paths = {n: root / "splits" / f for n, f in json.loads(done.read_text())["splits"].items()}
+            log.info("%s: reusing the splits in %s", name, root / "splits")
+        else:
+            log.info("%s: probing what %s knows", name, model_dir.name)
+            paths = _write_splits(root, bench.generate(bench.config, model_dir))
+            done.write_text(json.dumps({"splits": {n: p.name for n, p in paths.items()}}))
+        return BuiltBenchmark(name=name, root=root, split=split, splits=paths, models={"target": model_dir})
     root = Path(out) / f"{name}-{_digest(bench)}"
     splits = bench.generate(bench.config)
-    paths = {}
-    for split_name, rows in splits.items():
-        paths[split_name] = write_jsonl(root / "splits" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', split_name)}.jsonl", rows)
+    paths = _write_splits(root, splits)
     log.info("%s: %d splits written to %s", name, len(paths), root / "splits")
     models: dict[str, Path] = {}
     if train_models:

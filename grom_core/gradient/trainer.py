@@ -1,11 +1,15 @@
 """The training loop of the gradient-based methods, returning the same Edit value as the closed form.
 
-Per optimizer step: the forget objective's gradient g_f and the retain objective's gradient g_r are accumulated
-separately over the micro-batches (two backward passes each), composed once (sum, PCGrad or SAGO: composition is
-not linear, so it must see the whole accumulated gradients), written into `.grad`, and AdamW steps. Only the weights
-of the linear layers (attention, MLP, LM head) are trained, so that the result is a set of [out, in] deltas: an
-Edit that applies, reverts, registers and quantizes like the closed-form one. The model is restored bit for bit at
-the end; the edit is returned unapplied.
+Per optimizer step with `sum` composition, the plain training loop: one backward pass of gamma L_f + alpha L_r per
+micro-batch into `.grad`, then AdamW. With PCGrad or SAGO the forget gradient g_f and the retain gradient g_r are
+accumulated separately over the micro-batches (two backward passes each) and composed once (composition is not
+linear, so it must see the whole accumulated gradients). The frozen reference model NPO compares against is not
+kept: its log-probabilities of the forget answers are computed once before training (it never changes), so no copy
+of the model is held unless the KL retain loss or IdkDPO needs the reference on new inputs. Only the weights of the
+linear layers (attention, MLP, LM head) are trained, so that the result is a set of [out, in] deltas: an Edit that
+applies, reverts, registers and quantizes like the closed-form one. The model is restored bit for bit at the end;
+the edit is returned unapplied, its deltas in the weights' own dtype (new - old is exact there for the small steps
+of training: Sterbenz).
 """
 
 from __future__ import annotations
@@ -103,10 +107,12 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     modules = trainable_modules(model)
     originals = {name: m.weight.detach().clone() for name, m in modules.items()}
     reference = None
-    if spec.needs_reference or params.retain_loss == "kl":
+    if spec.needs_idk or params.retain_loss == "kl":  # the reference is asked about inputs made during training
         reference = copy.deepcopy(model).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
+    ref_logp = (reference_logprobs(model, tokenizer, forget_ex, trainer.batch_size, trainer.max_length,
+                                   prompt_format) if spec.needs_reference and reference is None else None)
     trained = [m.weight for m in modules.values()]
     frozen = [p for p in model.parameters() if all(p is not t for t in trained)]
     flags = {id(p): p.requires_grad for p in model.parameters()}
@@ -126,6 +132,7 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
         for epoch in range(trainer.epochs):
             order = list(range(len(forget_ex)))
             rng.shuffle(order)
+            original_id = torch.tensor(order)  # a batch's example ids count positions in the shuffled order
             forget_batches = make_batches(tokenizer, [forget_ex[i] for i in order], trainer.batch_size,
                                           trainer.max_length, fmt=prompt_format)
             preferred = [Example(question=forget_ex[i].question, answer=rng.choice(idk)) for i in order] if idk else []
@@ -137,24 +144,34 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
             epoch_f = epoch_r = 0.0
             for first in range(0, len(forget_batches), trainer.grad_accum):
                 group = range(first, min(first + trainer.grad_accum, len(forget_batches)))
-                g_f = [torch.zeros_like(p) for p in trained]
-                g_r = [torch.zeros_like(p) for p in trained]
+                g_f = g_r = None
+                if compose != "sum":
+                    g_f = [torch.zeros_like(p) for p in trained]
+                    g_r = [torch.zeros_like(p) for p in trained]
                 for i in group:
                     fb = forget_batches[i].to(device)
                     rb = retain_batches[i % len(retain_batches)].to(device)
-                    loss_f = _forget_objective(model, reference, spec, params, fb, idk_batches[i], device)
-                    passes += 1 + spec.needs_reference + 2 * spec.needs_idk
-                    _accumulate(loss_f * params.gamma / len(group), trained, g_f)
+                    stored = (ref_logp[original_id[fb.example_ids.cpu()]].to(device) if ref_logp is not None
+                              else None)
+                    loss_f = _forget_objective(model, reference, spec, params, fb, idk_batches[i], device, stored)
+                    passes += 1 + (reference is not None and spec.needs_reference) + 2 * spec.needs_idk
                     epoch_f += loss_f.item()
+                    loss_r = None
                     if params.alpha:
                         loss_r = _retain_objective(model, reference, params, rb)
                         passes += 1 + (params.retain_loss == "kl")
-                        _accumulate(loss_r * params.alpha / len(group), trained, g_r)
                         epoch_r += loss_r.item()
-                # the weights are already in g_f and g_r, so the composer combines them with unit weights
-                composed = composer(g_f, g_r, 1.0, 1.0)
-                for p, g in zip(trained, composed, strict=True):
-                    p.grad = g
+                    if g_f is None:  # sum: one backward pass of the weighted total, as a plain loop does
+                        total = loss_f * params.gamma + (loss_r * params.alpha if loss_r is not None else 0.0)
+                        (total / len(group)).backward()
+                    else:
+                        _accumulate(loss_f * params.gamma / len(group), trained, g_f)
+                        if loss_r is not None:
+                            _accumulate(loss_r * params.alpha / len(group), trained, g_r)
+                if g_f is not None:
+                    # the weights are already in g_f and g_r, so the composer combines them with unit weights
+                    for p, g in zip(trained, composer(g_f, g_r, 1.0, 1.0), strict=True):
+                        p.grad = g
                 if trainer.max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(trained, trainer.max_grad_norm)
                 optimizer.step()
@@ -167,9 +184,7 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
         deltas = {}
         with torch.no_grad():
             for name, module in modules.items():
-                old = originals[name]
-                new = module.weight.detach()
-                diff = (new.double() - old.double())
+                diff = module.weight.detach() - originals[name]  # exact in the weights' dtype (Sterbenz)
                 diff = diff.T if is_conv1d(module) else diff  # [out, in], as ModuleDelta expects
                 if bool(diff.abs().max() > 0):
                     deltas[name] = ModuleDelta(name=name, shape=tuple(weight_out_in(module).shape),
@@ -197,9 +212,25 @@ def _accumulate(loss: torch.Tensor, params: list[torch.Tensor], into: list[torch
             buffer.add_(g)
 
 
-def _forget_objective(model, reference, spec, params, batch, idk_batch, device) -> torch.Tensor:
+@torch.no_grad()
+def reference_logprobs(model, tokenizer, examples, batch_size: int, max_length: int, prompt_format: str
+                       ) -> torch.Tensor:
+    """(N,) the frozen model's summed answer log-probability of every example (by example id), computed once."""
+    out = torch.zeros(len(examples), dtype=torch.float32)
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in make_batches(tokenizer, examples, batch_size, max_length, fmt=prompt_format):
+            batch = batch.to(model_device(model))
+            out[batch.example_ids.cpu()] = _sequence_outputs(model, batch)[1].float().cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _forget_objective(model, reference, spec, params, batch, idk_batch, device, ref_logp=None) -> torch.Tensor:
     _, logp, lengths = _sequence_outputs(model, batch)
-    out = ForgetBatchOutputs(logp=logp, lengths=lengths)
+    out = ForgetBatchOutputs(logp=logp, lengths=lengths, ref_logp=ref_logp)
     if reference is not None and spec.needs_reference:
         with torch.no_grad():
             out.ref_logp = _sequence_outputs(reference, batch)[1]
