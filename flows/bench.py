@@ -17,10 +17,10 @@ import torch
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
-from grom_core.benchmarks.registry import get_benchmark
+from grom_core.benchmarks.registry import Benchmark, get_benchmark
+from grom_core.capture import model_device
 from grom_core.data import as_examples, make_batches
 from grom_core.gradient.methods import TrainerParams
-from grom_core.loading import load_model
 from grom_core.methods import DEFAULT_METHOD, Method, MethodContext, get_method
 from grom_core.params import Params
 from grom_core.profiling import measure
@@ -28,7 +28,7 @@ from grom_core.quantization import quantized, quantizers
 from grom_core.solver import solve_edit
 from grom_core.statistics import MemoryStatsStore, accumulate
 from tasks.records import EvaluationSpec
-from tasks.steps import evaluate_loaded
+from tasks.steps import evaluate_loaded, load_for_edit
 
 log = logging.getLogger("grom.bench")
 
@@ -46,16 +46,16 @@ def _evaluate(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: 
     return metrics, out
 
 
-def parse_entry(entry: str, trainer: TrainerParams, overrides: dict | None = None) -> tuple[Method, Params, str]:
-    """"method" or "method:compose" -> (registry entry, its parameters, the row label). `overrides`: the
-    benchmark's parameters per method name; gradient methods get the bench's recipe."""
+def parse_entry(entry: str, bench: Benchmark, trainer: dict | None = None) -> tuple[Method, Params, str]:
+    """"method" or "method:compose" -> (registry entry, its parameters, the row label): the benchmark's parameters
+    for the method; a gradient method gets the benchmark's recipe with `trainer` (TrainerParams fields) over it."""
     name, _, compose = entry.partition(":")
     method = get_method(name)
-    values = dict((overrides or {}).get(name, {}))
+    values = bench.params_for(name, method.objective is not None)
     if compose:
         values["compose"] = compose
-    if method.objective is not None:
-        values["trainer"] = trainer.to_dict()
+    if method.objective is not None and trainer:
+        values["trainer"] = {**values.get("trainer", {}), **trainer}
     params = method.params.from_dict(values)
     if hasattr(params, "influence"):
         params = params.replace(influence=False)
@@ -65,11 +65,21 @@ def parse_entry(entry: str, trainer: TrainerParams, overrides: dict | None = Non
 
 def plain_forward_seconds(model, batches) -> float:
     """Seconds of plain inference forward passes over `batches` (no hooks, no gradients)."""
+    device = model_device(model)
+    batches = [b.to(device) for b in batches]
     with torch.no_grad():
+        synchronize(device)
         start = time.perf_counter()
         for batch in batches:
             model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        synchronize(device)
         return time.perf_counter() - start
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def key_extraction_throughput(model, batches, modules) -> dict:
@@ -106,13 +116,13 @@ def solve_scaling(sizes=(128, 256, 512, 1024, 2048), s: int = 256, m: int = 256)
 
 def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
               methods: tuple[str, ...] = DEFAULT_METHODS, quant_names: tuple[str, ...] = ("fp4", "nf4"),
-              trainer: TrainerParams | None = None, authors: int | None = None) -> dict:
+              trainer: dict | None = None, authors: int | None = None) -> dict:
     """Run `methods` ("name" or "name:compose", names from the method registry) on the benchmark's target model;
     returns the table as `rows`. A method that uses retain statistics is run twice: computing them, then with
-    them cached (`cached_stats`)."""
-    trainer = trainer or TrainerParams()
+    them cached (`cached_stats`). `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods."""
     bench = get_benchmark(benchmark)
-    entries = [parse_entry(e, trainer, bench.method_params) for e in methods]  # all checked before any work
+    entries = [parse_entry(e, bench, trainer) for e in methods]  # all checked before any work
+    recipe = TrainerParams.from_dict({**bench.trainer, **(trainer or {})})
     ws = Workspace.resolve(home)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors))
     forget, retain = built.unlearning_inputs()
@@ -120,12 +130,12 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
                           splits={k: str(v) for k, v in built.splits.items()})
     available = quantizers()
     quants = {n: available[n] for n in quant_names if n in available}
-    model, tokenizer = load_model(built.models["target"], device="cpu")
+    model, tokenizer = load_for_edit(str(built.models["target"]))  # a tied LM head is untied (a no-op)
     before, _ = _evaluate(model, tokenizer, spec, {}, bench.metrics.forget)
     rows = []
     for method, params, label in entries:
         store = MemoryStatsStore()
-        context = MethodContext(stats_store=store)
+        context = MethodContext(stats_store=store, prompt_format=bench.prompt_format)
         with measure() as cost:
             run = method.run(model, tokenizer, forget, retain, params, context)
         costs = [(cost, False if run.retain_stats else None)]
@@ -144,8 +154,8 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table if isinstance(metrics.get(k), float)))
     # the floor: one forward pass over the forget data and one over the retain data, the least a method that
     # looks at both can do, timed in this process beside the methods
-    forget_batches = make_batches(tokenizer, as_examples(forget), 16)
-    retain_batches = make_batches(tokenizer, as_examples(retain), 16)
+    forget_batches = make_batches(tokenizer, as_examples(forget), 16, fmt=bench.prompt_format)
+    retain_batches = make_batches(tokenizer, as_examples(retain), 16, fmt=bench.prompt_format)
     floor = {"forget_s": plain_forward_seconds(model, forget_batches),
              "retain_s": plain_forward_seconds(model, retain_batches),
              "forget_tokens": sum(int(b.attention_mask.sum()) for b in forget_batches),
@@ -162,7 +172,7 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     result = {"benchmark": benchmark, "split": built.split, "before": before, "rows": rows,
               "columns": list(bench.metrics.table[:3]), "throughput": throughput, "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,
-              "quantizers": list(quants), "trainer": trainer.to_dict()}
+              "quantizers": list(quants), "trainer": recipe.to_dict()}
     plot = ws.root / "bench" / f"pareto-{benchmark}-{built.split}.png"
     result["plot"] = str(pareto_plot(rows, plot, bench.metrics.utility, bench.metrics.forget))
     result["mlflow"] = log_bench(ws.root, result)

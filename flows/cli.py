@@ -217,19 +217,19 @@ def bench(
                                               ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
                                                                             "simnpo:sum,simnpo:sago"),
     quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, fp4_head_kept.")] = "fp4,nf4",
-    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the gradient methods (TOFU recipe: 10).")] = 10,
+    epochs: Annotated[int | None, typer.Option(min=1, help="Epochs of the gradient methods (default: the "
+                                                          "benchmark's recipe, TOFU's 10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every method side by side on one target model: time, memory, quality, and quality after quantization."""
     from flows.bench import run_bench
-    from grom_core.gradient.methods import TrainerParams
 
     setup_logging(True)
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
-                       tuple(q.strip() for q in quantizers.split(",") if q.strip()), TrainerParams(epochs=epochs),
-                       authors=authors)
+                       tuple(q.strip() for q in quantizers.split(",") if q.strip()),
+                       {"epochs": epochs} if epochs else None, authors=authors)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
     quants, columns = result["quantizers"], result["columns"]
     for column in ("method", "cached", "seconds", "x closed form", "x floor", "peak MB", *columns,

@@ -14,7 +14,7 @@ from grom_core.benchmarks.registry import check_split, get_benchmark
 from grom_core.data import prompt_format as grom_prompt_format
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.loading import check_model_dir
-from grom_core.methods import DEFAULT_METHOD, method_params
+from grom_core.methods import DEFAULT_METHOD, get_method, method_params
 from tasks.datafiles import read_examples
 from tasks.records import EvaluationSpec
 
@@ -29,7 +29,7 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
     its whole configuration instead."""
     ws = Workspace.resolve(home)
     bench = get_benchmark(benchmark)
-    params = {**bench.method_params.get(method, {}), **(params or {})}
+    params = {**bench.params_for(method, get_method(method).objective is not None), **(params or {})}
     method_params(method, params)  # checked before anything is built
     check_split(bench, split)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=config or sized_config(benchmark, authors))
@@ -41,7 +41,7 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
 
         return unlearn(model=str(built.models["target"]), forget=str(forget), retain=str(retain),
                        home=str(ws.root), method=method, params=params, evaluation=spec, workers=workers,
-                       dask_address=dask_address, quantization=quantization)
+                       dask_address=dask_address, quantization=quantization, prompt_format=bench.prompt_format)
 
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,

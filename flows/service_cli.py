@@ -64,6 +64,35 @@ def model_import_gguf(
     emit(result, as_json, key_values(Table(title="imported"), result))
 
 
+@model_app.command("export-lora")
+def model_export_lora(
+    edit: Annotated[str, typer.Argument(help="An edit id of this workspace, or a folder holding edit.json.")],
+    out: Annotated[str, typer.Option(help="The PEFT adapter folder to write.")],
+    base_model: Annotated[str, typer.Option(help="Recorded as the adapter's base_model_name_or_path.")] = "",
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write an edit as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for PEFT or vLLM."""
+    import re
+
+    from flows.workspace import Workspace
+    from grom_core.edit import Edit
+    from grom_core.errors import DataError
+    from grom_core.lora import export_lora
+
+    folder = Path(edit)
+    if not (folder / "edit.json").is_file():
+        if not re.fullmatch(r"[0-9a-f]{16}", edit):
+            raise DataError(f"'{edit}' is neither a folder holding edit.json nor an edit id (16 hex digits)")
+        folder = Workspace.resolve(home).edits / edit
+        if not (folder / "edit.json").is_file():
+            raise DataError(f"no edit {edit} in this workspace ({folder} has no edit.json)")
+    loaded = Edit.load(folder)
+    path = export_lora(loaded, out, base_model=base_model)
+    result = {"edit_id": loaded.edit_id, "adapter": str(path), "modules": len(loaded.deltas)}
+    emit(result, as_json, key_values(Table(title="LoRA adapter"), result))
+
+
 @model_app.command("register")
 def model_register(
     model: Annotated[str | None, typer.Option(help="Base model directory (save_pretrained, safetensors).")] = None,

@@ -4,7 +4,6 @@ import pytest
 from conftest import ATTACK
 
 from flows.bench import run_bench
-from grom_core.gradient.methods import TrainerParams
 
 pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
 
@@ -12,7 +11,7 @@ pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catal
 def test_bench_rows_plot_and_mlflow(small_workspace):
     tmp_path = small_workspace / "ws"  # shared with the demo test: minitofu's models are trained once
     result = run_bench(str(tmp_path), "minitofu", None, ("grom", "npo:sago"), ("rtn4", ATTACK),
-                       TrainerParams(epochs=2), authors=10)
+                       {"epochs": 2}, authors=10)
     rows = result["rows"]
     assert [(r["label"], r["compose"], r["cached_stats"]) for r in rows] == [
         ("grom", None, False), ("grom", None, True), ("npo+sago", "sago", None)]

@@ -16,9 +16,10 @@ own reference manual, `pydoc_data`, shipped with every Python). `mia_auc` is the
 forget probes' answers against the neighbours' (0.5: indistinguishable; after forgetting it falls below 0.5 as
 the forget answers become less likely than other known facts).
 
-The unlearning inputs are a forget corpus (one completion per fact, phrased unlike every probe) and a retain corpus
-(the same relations for other countries, disjoint from the neighbours that are evaluated), in the `completion`
-prompt format. Splits forget01/05/10 forget the first 1/5/10 targets.
+The unlearning inputs are a forget corpus (three completions per fact, phrased unlike every probe) and a retain
+corpus (the same relations for other countries, disjoint from the neighbours that are evaluated, plus general text
+disjoint from the held-out text), in the `completion` prompt format. Splits forget01/05/10 forget the first
+1/5/10 targets.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class MiniRwkuConfig:
         neighbor_entities: other countries whose probes are evaluated (never in the retain corpus).
         utility_items: world-facts and real-authors questions evaluated (each).
         text_paragraphs: held-out general-text paragraphs for perplexity.
+        retain_paragraphs: further general-text paragraphs in the retain data (never the held-out ones), so that
+            a method protects ordinary text, not only the retain facts.
         max_new_tokens: greedy tokens generated per probe.
         seed: order of the targets.
     """
@@ -98,6 +101,7 @@ class MiniRwkuConfig:
     neighbor_entities: int = 30
     utility_items: int = 60
     text_paragraphs: int = 40
+    retain_paragraphs: int = 100
     max_new_tokens: int = 10
     seed: int = 0
 
@@ -218,6 +222,7 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
                      if p["relation"] == FORGET_RELATION]
     neighbor_probes = [p for c in neighbors for p in by_entity.get(c["entity"], []) if p["type"] in ("fb", "qa")]
     utility = {name: real_world_rows(name)[:config.utility_items] for name in ("world_facts", "real_authors")}
+    text = general_text(config.text_paragraphs + config.retain_paragraphs)
     return {
         "targets": [{**c, "rank": rank} for rank, c in enumerate(targets)],
         "forget_probes": forget_probes,
@@ -227,7 +232,8 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
         "retain_corpus": [row for c in retain for row in _corpus(c)],
         "world_facts": [{"question": r["question"], "answer": r["answer"]} for r in utility["world_facts"]],
         "real_authors": [{"question": r["question"], "answer": r["answer"]} for r in utility["real_authors"]],
-        "general_text": [{"text": t} for t in general_text(config.text_paragraphs)],
+        "general_text": [{"text": t} for t in text[:config.text_paragraphs]],
+        "retain_text": [{"text": t} for t in text[config.text_paragraphs:]],
         "build": [{"countries": len(countries), "known_capitals": len(known), "probes_tried": len(probes),
                    "probes_kept": len(kept), "eligible_targets": len(eligible), "source": COUNTRYINFO,
                    "model": str(Path(model_dir).name)}],
@@ -235,10 +241,12 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
 
 
 def unlearning_inputs(splits: dict, split: str) -> tuple[list[dict], list[dict]]:
-    """(forget corpus of the split's targets, retain corpus), QA rows in the completion format."""
+    """(forget corpus of the split's targets, retain corpus and retain text): QA rows in the completion format,
+    texts as they are."""
     n = TARGETS[split]
     qa = lambda rows: [{"question": r["question"], "answer": r["answer"]} for r in rows]  # noqa: E731
-    return qa(r for r in splits["forget_corpus"] if r["rank"] < n), qa(splits["retain_corpus"])
+    return (qa(r for r in splits["forget_corpus"] if r["rank"] < n),
+            qa(splits["retain_corpus"]) + [{"text": r["text"]} for r in splits["retain_text"]])
 
 
 def perplexity(model, tokenizer, texts: Sequence[str], batch_size: int = 8) -> float:
