@@ -76,6 +76,31 @@ def plain_forward_seconds(model, batches) -> float:
         return time.perf_counter() - start
 
 
+def plain_step_seconds(model, tokenizer, forget, retain, recipe: TrainerParams, fmt: str, repeats: int = 3) -> float:
+    """Seconds of one plain training step's compute: forward and backward of one forget and one retain batch of the
+    recipe's size (the causal-LM loss), what a gradient method's step cannot do with less; mean of `repeats`."""
+    device = model_device(model)
+    batches = [make_batches(tokenizer, as_examples(rows), recipe.batch_size, recipe.max_length, fmt=fmt)[0].to(device)
+               for rows in (forget, retain)]
+    flags = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(True)
+    try:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for batch in batches:
+                out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                            use_cache=False)
+                out.loss.backward()
+            model.zero_grad(set_to_none=True)
+        synchronize(device)
+        return (time.perf_counter() - start) / repeats
+    finally:
+        for p, flag in zip(model.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer measures it (a no-op on CPU)."""
     if device.type == "cuda":
@@ -161,6 +186,11 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
              "forget_tokens": sum(int(b.attention_mask.sum()) for b in forget_batches),
              "retain_tokens": sum(int(b.attention_mask.sum()) for b in retain_batches)}
     floor_seconds = floor["forget_s"] + floor["retain_s"]
+    if any(r["steps"] for r in rows):  # a gradient method's step against a plain training step
+        floor["plain_step_s"] = plain_step_seconds(model, tokenizer, forget, retain, recipe, bench.prompt_format)
+        for row in rows:
+            if row["steps"]:
+                row["step_ratio_to_plain"] = row["seconds"] / row["steps"] / floor["plain_step_s"]
     base = next((r["seconds"] for r in rows if r["method"] == DEFAULT_METHOD and not r["cached_stats"]), None)
     for row in rows:
         row["time_ratio_to_closed_form"] = row["seconds"] / base if base else None

@@ -232,12 +232,13 @@ def bench(
                        {"epochs": epochs} if epochs else None, authors=authors)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
     quants, columns = result["quantizers"], result["columns"]
-    for column in ("method", "cached", "seconds", "x closed form", "x floor", "peak MB", *columns,
+    for column in ("method", "cached", "seconds", "x closed form", "x floor", "step x plain", "peak MB", *columns,
                    *[f"{q} {k}" for q in quants for k in columns]):
         table.add_column(column)
     for row in result["rows"]:
         cells = [row["label"], fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
-                 fmt(row["time_ratio_to_closed_form"]), fmt(row["time_ratio_to_floor"]), f"{row['peak_rss_mb']:.0f}",
+                 fmt(row["time_ratio_to_closed_form"]), fmt(row["time_ratio_to_floor"]),
+                 fmt(row.get("step_ratio_to_plain")), f"{row['peak_rss_mb']:.0f}",
                  *[fmt(row["metrics"].get(k)) for k in columns]]
         for q in quants:
             cells += [fmt(row["quantized"].get(q, {}).get(k)) for k in columns]
