@@ -9,6 +9,7 @@ tokens, the solve's time against the matrix size, and the forward passes each me
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -77,28 +78,39 @@ def plain_forward_seconds(model, batches) -> float:
 
 
 def plain_step_seconds(model, tokenizer, forget, retain, recipe: TrainerParams, fmt: str, repeats: int = 3) -> float:
-    """Seconds of one plain training step's compute: forward and backward of one forget and one retain batch of the
-    recipe's size (the causal-LM loss), what a gradient method's step cannot do with less; mean of `repeats`."""
+    """Seconds of one step of a plain training loop with the recipe (AdamW, the same batch size and clipping):
+    forward and backward of a forget batch and of a retain batch (the causal-LM loss) and the optimizer step;
+    what a gradient method's step cannot do with less. Mean of `repeats` steps on seeded batches; the weights are
+    restored after."""
     device = model_device(model)
-    batches = [make_batches(tokenizer, as_examples(rows), recipe.batch_size, recipe.max_length, fmt=fmt)[0].to(device)
-               for rows in (forget, retain)]
-    flags = [p.requires_grad for p in model.parameters()]
-    for p in model.parameters():
+    order = random.Random(recipe.seed).sample(range(len(retain)), len(retain))
+    forget_batches = make_batches(tokenizer, as_examples(forget), recipe.batch_size, recipe.max_length, fmt=fmt)
+    retain_batches = make_batches(tokenizer, as_examples([retain[i] for i in order]), recipe.batch_size,
+                                  recipe.max_length, fmt=fmt)
+    params = list(model.parameters())
+    saved = [p.detach().clone() for p in params]
+    flags = [p.requires_grad for p in params]
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    for p in params:
         p.requires_grad_(True)
     try:
         synchronize(device)
         start = time.perf_counter()
-        for _ in range(repeats):
-            for batch in batches:
-                out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
-                            use_cache=False)
-                out.loss.backward()
-            model.zero_grad(set_to_none=True)
+        for step in range(repeats):
+            for batch in (forget_batches[step % len(forget_batches)], retain_batches[step % len(retain_batches)]):
+                batch = batch.to(device)
+                model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                      use_cache=False).loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         return (time.perf_counter() - start) / repeats
     finally:
-        for p, flag in zip(model.parameters(), flags, strict=True):
-            p.requires_grad_(flag)
+        with torch.no_grad():
+            for p, old, flag in zip(params, saved, flags, strict=True):
+                p.copy_(old)
+                p.requires_grad_(flag)
 
 
 def synchronize(device: torch.device) -> None:
