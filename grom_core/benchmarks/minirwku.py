@@ -163,15 +163,14 @@ def answer_matches(generated: str, answer: str) -> bool:
 def generate_answers(model, tokenizer, probes: Sequence[dict], *, max_new_tokens: int, batch_size: int = 32
                      ) -> list[str]:
     """Greedy generations of every probe, in order (chat probes carry their own opening tokens)."""
-    out: list[str | None] = [None] * len(probes)
+    by_index: dict[int, str] = {}
     for fmt in sorted({p["format"] for p in probes}):
         idx = [i for i, p in enumerate(probes) if p["format"] == fmt]
         texts = greedy_generate(model, tokenizer, [probe_prompt(tokenizer, probes[i]) for i in idx],
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, desc=f"probes ({fmt})",
                                 bos=not prompt_format(fmt).chat)
-        for i, text in zip(idx, texts, strict=True):
-            out[i] = text
-    return out  # type: ignore[return-value]
+        by_index.update(zip(idx, texts, strict=True))
+    return [by_index[i] for i in range(len(probes))]
 
 
 def _probes(entity: dict, relation: str, types: Sequence[str] = PROBE_TYPES) -> list[dict]:
