@@ -124,8 +124,7 @@ def refit_check(ws: Workspace, edit: dict, run: dict, influence: list[dict], n: 
         raise DataError(f"edit {edit['edit_id']} ({edit['method']}) has no influence audit: nothing to check")
     base = run.get("base_model_dir")
     if not base or not (Path(base) / "config.json").is_file():
-        raise DataError(f"the model edit {edit['edit_id']} started from is not recorded or its folder {base} is gone; "
-                        f"a refit needs it")
+        base = str(parent_weights(ws, run, edit["edit_id"], base))
     lake = ws.root / "lake"
     tables = {role: pq.read_table(dataset_path(lake, role, run[f"{role}_digest"])).to_pylist()
               for role in ("forget", "retain")}
@@ -145,6 +144,21 @@ def refit_check(ws: Workspace, edit: dict, run: dict, influence: list[dict], n: 
     for row in found:
         row["predicted"] = predicted[row["example_index"]].get(row["module"])
     return found
+
+
+def parent_weights(ws: Workspace, run: dict, edit_id: str, folder: str | None) -> Path:
+    """The weights an edit started from when the run's folder is gone: its registered parent version,
+    materialised (tasks.versions)."""
+    from tasks.tracking import get_version
+    from tasks.versions import version_model_dir
+
+    parent = None
+    if run.get("model_name") and run.get("model_version"):
+        parent = get_version(ws.root, run["model_name"], run["model_version"]).tags.get("parent_version")
+    if not parent:
+        raise DataError(f"the model edit {edit_id} started from is not recorded or its folder {folder} is gone, "
+                        f"and its version names no registered parent; a refit needs those weights")
+    return version_model_dir(ws.root, run["model_name"], parent)
 
 
 def markdown(report: dict) -> str:

@@ -47,7 +47,8 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
                 method: str = DEFAULT_METHOD, quantization: bool = False, prompt_format: str = "qa") -> dict:
-    from tasks.tracking import check_model_name, resolve_model
+    from tasks.tracking import check_model_name
+    from tasks.versions import resolve_model
 
     ws = Workspace.resolve(home)
     method_params(method, params)

@@ -27,14 +27,8 @@ from grom_core.profiling import Timings
 from tasks import requests as queue
 from tasks.catalog import Catalog, now
 from tasks.lake import purge_forget_text
-from tasks.tracking import (
-    client,
-    get_version,
-    serving_version,
-    set_serving,
-    version_model_dir,
-    versions,
-)
+from tasks.tracking import client, get_version, serving_version, set_serving, versions
+from tasks.versions import version_model_dir
 
 log = logging.getLogger("grom.requests")
 
@@ -107,7 +101,7 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
 
     with transaction():  # a failure in here deletes the version and moves the alias back (rollback hooks)
         registration = timings.run("register", register_outcome, ws, outcome, name=name, tags=tags,
-                                   timings=timings.seconds)
+                                   timings=timings.seconds, parent_version=parent)
         if promoted:
             set_serving(ws.root, name, registration.version)
         stage_timings = run_timings(timings, outcome)

@@ -7,7 +7,9 @@ registry, undoing the registry step when that transaction fails: a failed comman
 
 from __future__ import annotations
 
+import json
 import logging
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from prefect.transactions import transaction
 from flows.workspace import Workspace
 from grom_core.data import prompt_format as data_prompt_format
 from grom_core.edit import Edit, Undo
-from grom_core.errors import DataError
+from grom_core.errors import DataError, FingerprintMismatchError
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.gates import Gates
 from grom_core.loading import check_model_dir
@@ -26,16 +28,9 @@ from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
 from tasks.lake import atomic_parquet, safe_name
 from tasks.records import with_sha256
-from tasks.steps import load_for_edit, save_model
-from tasks.tracking import (
-    Registration,
-    check_model_name,
-    get_version,
-    register,
-    serving_version,
-    set_serving,
-    version_model_dir,
-)
+from tasks.steps import load_for_edit
+from tasks.tracking import Registration, check_model_name, get_version, register, serving_version, set_serving
+from tasks.versions import FULL, SAME, STORAGE_TAG, materialize, storage, version_model_dir
 
 log = logging.getLogger("grom.service")
 
@@ -82,7 +77,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
         registration = register(ws.root, run_name=f"register-{name}", model_name=name,
                                 params={"model_dir": str(model_path), "retain": str(retain)}, metrics={},
                                 datasets=[], artifacts={}, model_dir=model_path,
-                                tags={"grom.kind": "base", "grom.owner": queue.claim_owner(),
+                                tags={"grom.kind": "base", STORAGE_TAG: FULL, "grom.owner": queue.claim_owner(),
                                       "fingerprint": fingerprint, "model_dir": str(model_path)})
         if promoted:
             set_serving(ws.root, name, registration.version)
@@ -189,7 +184,8 @@ def requeue_request(request_id: int, home: str | None = None) -> dict:
 
 def revert_version(version: str, *, model_name: str | None = None, home: str | None = None) -> dict:
     """Undo the edit of `version` (the version in service) bit for bit, register the restored weights as a new
-    version, move the alias to it, and reopen the requests `version` answered."""
+    version (a reference to the parent's weights, which they equal: no copy), move the alias to it, and reopen the
+    requests `version` answered."""
     ws = Workspace.resolve(home)
     catalog = _catalog(ws)
     name = queue.get_service(catalog, model_name).model_name
@@ -206,28 +202,32 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
     if not (edit_dir / "undo.safetensors").is_file():
         raise DataError(f"{edit_dir} has no undo.safetensors; the edit of version {version} cannot be reverted "
                         f"exactly from this workspace")
-    model, tokenizer = load_for_edit(str(version_model_dir(ws.root, name, version)))
+    model, _ = load_for_edit(str(version_model_dir(ws.root, name, version)))
     edit = Edit.load(edit_dir)
     edit.revert(model, Undo.load(edit_dir / "undo.safetensors"))  # verifies the base fingerprint bit for bit
     fingerprint = weights_fingerprint(model)
+    del model
     if parent_fingerprint and fingerprint != parent_fingerprint:
         raise DataError(f"reverting edit {edit.edit_id} gave weights {fingerprint[:12]}, not those of version "
                         f"{parent} ({parent_fingerprint[:12]}); the edit does not belong to that parent")
-    out = save_model(model, tokenizer, ws.models / f"restored-{edit.edit_id}")
+    # the restored weights are the parent's, bit for bit: the new version refers to them instead of a copy
+    out = version_model_dir(ws.root, name, parent)
     reopened: list[int] = []
 
     def reopen(con) -> None:
         reopened.extend(queue.reopen(con, name, str(version), f"version {version} reverted by version "
                                                                f"{registration.version}"))
 
-    with transaction():  # a failed catalog commit moves the alias back and deletes the version
+    lineage = {"reverts": str(version), "restores": parent, "edit_id_reverted": edit.edit_id,
+               "fingerprint": fingerprint}
+    with tempfile.TemporaryDirectory() as tmp, transaction():  # a failed commit: alias back, version deleted
+        record = Path(tmp) / "lineage.json"
+        record.write_text(json.dumps(lineage, indent=2))
         registration = register(ws.root, run_name=f"revert-{name}-v{version}", model_name=name,
                                 params={"reverts": version, "edit_id": edit.edit_id}, metrics={}, datasets=[],
-                                artifacts={}, model_dir=out,
-                                tags={"grom.kind": "revert", "grom.owner": queue.claim_owner(),
-                                      "fingerprint": fingerprint, "model_dir": str(out),
-                                      "parent_version": str(version), "reverts": str(version), "restores": parent,
-                                      "edit_id_reverted": edit.edit_id})
+                                artifacts={"lineage": record}, model_dir=None, version_source="lineage",
+                                tags={"grom.kind": "revert", STORAGE_TAG: SAME, "grom.owner": queue.claim_owner(),
+                                      "model_dir": str(out), "parent_version": str(version), **lineage})
         set_serving(ws.root, name, registration.version)
         record_run(catalog, _run_row(registration, "revert", fingerprint, str(out), edit_id=edit.edit_id),
                    also=reopen)
@@ -235,3 +235,27 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
              registration.version, parent, reopened)
     return {"version": registration.version, "reopened": reopened, "reverted": str(version), "restores": parent,
             "fingerprint": fingerprint, "model_dir": str(out), "model_name": name}
+
+
+def materialize_version(name: str, version: str, *, home: str | None = None, out: str | None = None) -> dict:
+    """The weights of `version` of `name` as a folder (see `tasks.versions.materialize`), checked against the
+    version's fingerprint; with `out`, also copied there (a new folder)."""
+    import shutil
+
+    ws = Workspace.resolve(home)
+    tags = get_version(ws.root, name, version).tags
+    if out is not None and Path(out).exists() and any(Path(out).iterdir()):
+        raise DataError(f"{out} exists and is not empty; give a new folder to --out")
+    path = materialize(ws.root, name, version)
+    model, _ = load_for_edit(str(path))
+    fingerprint = weights_fingerprint(model)
+    del model
+    if tags.get("fingerprint") and fingerprint != tags["fingerprint"]:
+        raise FingerprintMismatchError(f"{path} holds weights {fingerprint[:12]}, not those registered as version "
+                                       f"{version} of '{name}' ({tags['fingerprint'][:12]}); delete the folder "
+                                       f"and materialise it again")
+    if out is not None:
+        shutil.copytree(path, out, dirs_exist_ok=True)
+        path = Path(out)
+    return {"model_name": name, "version": str(version), "storage": storage(tags), "model_dir": str(path),
+            "fingerprint": fingerprint, "parent_version": tags.get("parent_version") or tags.get("restores")}

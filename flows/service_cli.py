@@ -93,6 +93,23 @@ def model_export_lora(
     emit(result, as_json, key_values(Table(title="LoRA adapter"), result))
 
 
+@model_app.command("materialize")
+def model_materialize(
+    name: Annotated[str, typer.Argument(help="A registered model name.")],
+    version: Annotated[str, typer.Argument(help="One of its versions.")],
+    out: Annotated[str | None, typer.Option(help="Also copy the weights into this new folder.")] = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The full weights of a registered version (an edited version stores only its edit): its parent's weights
+    with the edit applied, checked against the version's fingerprint, as a safetensors folder."""
+    from flows.service import materialize_version
+
+    setup_logging(True)
+    result = materialize_version(name, version, home=home, out=out)
+    emit(result, as_json, key_values(Table(title=f"{name} v{version}"), result))
+
+
 @model_app.command("register")
 def model_register(
     model: Annotated[str | None, typer.Option(help="Base model directory (save_pretrained, safetensors).")] = None,

@@ -2,7 +2,8 @@
 
     ingest -> unlearn (the method: for GROM layer scores, retain statistics (cached), solve) -> apply and save
            -> influence audit -> evaluate before and after -> quantization attack -> report
-           -> register (MLflow) and commit (DuckDB catalog), one Prefect transaction
+           -> register (MLflow: the edit over the version holding the unedited weights) and commit (DuckDB
+              catalog), one Prefect transaction
 
 Each stage is a Prefect task exchanging the typed records of `tasks.records`; the registration and the catalog
 commit run in one transaction, so a failed commit rolls the registration back (its rollback hook deletes the
@@ -28,6 +29,7 @@ from tasks.lake import safe_name
 from tasks.plots import influence_plot, layer_scores_plot
 from tasks.records import EvaluationSpec, Outcome
 from tasks.tracking import Registration, check_model_name, register
+from tasks.versions import EDIT, STORAGE_TAG, root_version
 
 log = logging.getLogger("grom.flow")
 
@@ -111,11 +113,16 @@ def run_timings(timings: Timings, outcome: Outcome) -> dict:
 
 
 @task(name="register", cache_policy=NO_CACHE)
-def register_outcome(ws: Workspace, outcome: Outcome, *, name: str, tags: dict, timings: dict) -> Registration:
-    """Log the run to MLflow and register the edited model as a new version of `name`, with lineage tags. In the
-    caller's transaction, a failure after this task deletes the version again (tracking.register's hook)."""
+def register_outcome(ws: Workspace, outcome: Outcome, *, name: str, tags: dict, timings: dict,
+                     parent_version: str | None = None) -> Registration:
+    """Log the run to MLflow and register the edit as a new version of `name` over `parent_version` (default: the
+    version holding the unedited weights, registered first if `name` has none): the version stores the edit, not
+    the weights (`tasks.versions` materialises them). In the caller's transaction, a failure after this task
+    deletes what it registered (tracking.register's hooks)."""
     u, data = outcome.unlearned, outcome.ingested
-    version_tags = {"base_fingerprint": u.base_fingerprint, "edit_id": u.edit_id, "method": u.method,
+    parent = parent_version or root_version(ws.root, name, outcome.model, u.base_fingerprint)
+    version_tags = {STORAGE_TAG: EDIT, "parent_version": parent,
+                    "base_fingerprint": u.base_fingerprint, "edit_id": u.edit_id, "method": u.method,
                     "compose": str(u.params.get("compose") or ""), "forget_digest": data.forget.digest,
                     "retain_digest": data.retain.digest, "model_dir": outcome.edited.model_dir,
                     "fingerprint": outcome.edited.fingerprint, **{k: str(v) for k, v in tags.items()}}
@@ -130,8 +137,8 @@ def register_outcome(ws: Workspace, outcome: Outcome, *, name: str, tags: dict, 
                              **{f"quantized.{q}": m for q, m in outcome.quantized.items() if isinstance(m, dict)},
                              "timing": {**timings, **u.timings_s, "unlearning": u.cost.seconds},
                              "unlearning": numbers},
-                    datasets=[_input(data.forget), _input(data.retain)], artifacts=artifacts,
-                    model_dir=Path(outcome.edited.model_dir), tags=version_tags)
+                    datasets=[_input(data.forget), _input(data.retain)], artifacts=artifacts, model_dir=None,
+                    version_source="edit", tags=version_tags)
 
 
 def _input(dataset) -> dict:

@@ -217,6 +217,6 @@ class Outcome:
             "peak_rss_mb": u.cost.peak_rss_mb,
             "mlflow": {"run_id": registration.run_id, "model_name": registration.model_name,
                        "version": registration.version},
-            "model_dir": self.edited.model_dir, "edit_dir": u.edit_dir,
+            "model_dir": self.edited.model_dir, "edited_fingerprint": self.edited.fingerprint, "edit_dir": u.edit_dir,
             "influence": asdict(self.audit) if self.audit else None, "workspace": str(workspace),
         }

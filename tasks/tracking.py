@@ -6,9 +6,10 @@ so the registry never holds a half-registered version. Inside a Prefect transact
 transaction()`), `register` and `set_serving` also stage their compensation as rollback hooks: if a later step of
 the transaction fails (the catalog commit), the version is deleted and the alias moved back, in reverse order.
 
-Tags grom puts on the versions it registers: `grom.kind` (base, unlearn, request, revert), `fingerprint` (of the
-version's weights), `model_dir` (its local folder), `parent_version` (the version it was computed from),
-`edit_id`, `base_fingerprint`, `request_ids`, `promoted`.
+Tags grom puts on the versions it registers: `grom.kind` (base, unlearn, request, revert), `grom.storage` (full,
+edit or same: how the version keeps its weights, see `tasks.versions`), `fingerprint` (of the version's weights),
+`model_dir` (a local folder with them), `parent_version` (the version it was computed from), `edit_id`,
+`base_fingerprint`, `request_ids`, `promoted`, and on a revert `reverts` and `restores`.
 """
 
 from __future__ import annotations
@@ -82,14 +83,17 @@ def _pip_requirements() -> list[str]:
 
 
 def register(root: Path, *, run_name: str, model_name: str, params: dict, metrics: dict, datasets: list[dict],
-             artifacts: dict[str, Path], model_dir: Path | None, tags: dict[str, str]) -> Registration:
-    """Log one run and register the edited model; on failure, undo what was created and re-raise.
+             artifacts: dict[str, Path], model_dir: Path | None, tags: dict[str, str],
+             version_source: str | None = None) -> Registration:
+    """Log one run and register a model version; on failure, undo what was created and re-raise.
 
     Args:
         metrics: {"before": {...}, "after": {...}, ...} flat dicts, logged as "<group>.<name>".
         datasets: [{"name", "role", "digest", "path"}] logged as run inputs (Parquet paths).
         artifacts: artifact sub-folder -> file or folder to log.
-        model_dir: a save_pretrained folder; logged with mlflow.transformers and registered.
+        model_dir: a save_pretrained folder, logged with mlflow.transformers and registered with full weights.
+        version_source: instead of `model_dir`, the artifact sub-folder of this run that the version points at (an
+            edit: `tasks.versions` materialises its weights from its parent on demand).
         tags: set on the run and on the model version (base fingerprint, edit id, request ids...).
     """
     configure(root)
@@ -129,6 +133,12 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
                 version = str(info.registered_model_version)
                 for key, value in tags.items():
                     client.set_model_version_tag(model_name, version, key, str(value))
+            elif version_source is not None:
+                _ensure_registered_model(client, model_name)
+                version = str(client.create_model_version(
+                    model_name, source=f"{run.info.artifact_uri}/{version_source}", run_id=run.info.run_id,
+                    tags={k: str(v) for k, v in tags.items()}).version)
+            if version is not None:
                 log.info("registered %s version %s", model_name, version)
         except BaseException:
             if version is not None:
@@ -138,6 +148,16 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
     registration = Registration(run_id=run.info.run_id, model_name=model_name, version=version)
     _on_rollback(lambda: delete_registration(root, registration))
     return registration
+
+
+def _ensure_registered_model(mlflow_client, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow_client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
 
 
 def delete_registration(root: Path, registration: Registration) -> None:
@@ -209,47 +229,3 @@ def versions(root: Path, name: str) -> list:
         token = page.token
         if not token:
             return found
-
-
-def version_model_dir(root: Path, name: str, version: str) -> Path:
-    """A local folder holding the weights of a version: its `model_dir` tag when the folder is still there with
-    the same weights, else the registered artifacts downloaded under <root>/cache/registry (safetensors only)."""
-    from grom_core.loading import check_model_dir
-
-    tags = get_version(root, name, version).tags
-    local = Path(tags.get("model_dir", ""))
-    if tags.get("model_dir") and (local / "config.json").is_file():
-        return local
-    import mlflow
-
-    out = root / "cache" / "registry" / safe_name(name) / str(version)
-    if not out.exists():
-        log.warning("%s: the folder of %s version %s is gone; downloading its registered artifacts", local, name,
-                    version)
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(out))
-    found = sorted(p.parent for p in out.rglob("config.json") if any(p.parent.glob("*.safetensors")))
-    if not found:
-        raise DataError(f"version {version} of '{name}' has neither its local folder ({local}) nor safetensors "
-                        f"weights among its artifacts; register the model again")
-    return check_model_dir(str(found[0]))
-
-
-def resolve_model(root: Path, model: str) -> str:
-    """A model argument as a local folder: `models:/NAME/VERSION` or `models:/NAME@ALIAS` is looked up in the
-    workspace's registry (see `version_model_dir`); anything else is taken as a folder."""
-    if not model.startswith("models:/"):
-        return model
-    ref = model.removeprefix("models:/")
-    if "@" in ref:
-        name, alias = ref.split("@", 1)
-        from mlflow.exceptions import MlflowException
-
-        try:
-            version = str(client(root).get_model_version_by_alias(name, alias).version)
-        except MlflowException as exc:
-            raise DataError(f"{model}: registered model '{name}' has no alias '{alias}'") from exc
-    else:
-        name, _, version = ref.rpartition("/")
-        if not name or not version:
-            raise DataError(f"{model}: write models:/NAME/VERSION or models:/NAME@ALIAS")
-    return str(version_model_dir(root, name, version))

@@ -98,13 +98,47 @@ def test_registered_artifacts_load_back(first_run):
     assert {"plots/layer_scores.png", "plots/influence.png", "plots/report.md"} <= plots
     model = AutoModelForCausalLM.from_pretrained(result["model_dir"])
     assert model.config.model_type == "llama"
-    pipe = mlflow.transformers.load_model(f"models:/{name}/{version}")
-    out = pipe("Question: Where was the author born?\nAnswer:", max_new_tokens=5, do_sample=False)
-    assert isinstance(out[0]["generated_text"], str)
     edit_dir = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="edit")
     from grom_core.edit import Edit
 
     assert Edit.load(edit_dir).edit_id == result["edit_id"]
+    # the edited version stores its edit over the version of the unedited weights, which holds the full model
+    assert tags["grom.storage"] == "edit" and tags["parent_version"] != version
+    parent = client.get_model_version(name, tags["parent_version"]).tags
+    assert parent["grom.storage"] == "full" and parent["fingerprint"] == tags["base_fingerprint"]
+    pipe = mlflow.transformers.load_model(f"models:/{name}/{tags['parent_version']}")
+    out = pipe("Question: Where was the author born?\nAnswer:", max_new_tokens=5, do_sample=False)
+    assert isinstance(out[0]["generated_text"], str)
+
+
+def test_an_edited_version_materialises_bit_for_bit_from_its_parent_and_edit(first_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from flows.service import materialize_version
+    from tasks.versions import cache_dir, drop_materialized
+
+    home, result = first_run
+    name, version = result["mlflow"]["model_name"], result["mlflow"]["version"]
+    saved = load_file(str(Path(result["model_dir"]) / "model.safetensors"))
+    # the flow's own folder and the workspace's copy of the edit gone: the registry alone rebuilds the weights
+    moved = tmp_path / "moved"
+    shutil.move(result["model_dir"], moved / "model")
+    shutil.move(home / "edits" / result["edit_id"], moved / "edit")
+    drop_materialized(home, name, version)
+    try:
+        done = materialize_version(name, version, home=str(home), out=str(tmp_path / "copy"))
+        assert done["storage"] == "edit" and done["fingerprint"] == result["edited_fingerprint"]
+        assert (cache_dir(home, name, version) / "model.safetensors").is_file()
+        rebuilt = load_file(str(tmp_path / "copy" / "model.safetensors"))
+        assert rebuilt.keys() == saved.keys()
+        assert all(rebuilt[k].view(torch.uint8).equal(saved[k].view(torch.uint8)) for k in saved)
+        with pytest.raises(DataError, match="not empty"):
+            materialize_version(name, version, home=str(home), out=str(tmp_path / "copy"))
+        with pytest.raises(DataError, match="has no version 99"):
+            materialize_version(name, "99", home=str(home))
+    finally:
+        shutil.move(moved / "model", result["model_dir"])
+        shutil.move(moved / "edit", home / "edits" / result["edit_id"])
 
 
 def test_audit_refit_checks_the_influence_against_a_real_refit(first_run):
@@ -138,7 +172,7 @@ def test_second_run_reuses_the_statistics_and_changes_invalidate_them(first_run,
     model.save_pretrained(other_model)
     assert unlearn(harness, trained_dir.__class__(other_model), files, home)["cached_stats"] is False
     versions = registered_versions(home, first["mlflow"]["model_name"])
-    assert len(versions) == 3  # trained_dir three times under one name; the other model has its own name
+    assert len(versions) == 4  # trained_dir's weights once, three edits of them; the other model has its own name
 
 
 def test_forget_examples_in_retain_are_dropped_with_a_warning(harness, trained_dir, files, tmp_path, caplog):

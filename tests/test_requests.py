@@ -136,6 +136,12 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
     assert restored.keys() == original.keys()
     assert all(restored[k].view(torch.uint8).equal(original[k].view(torch.uint8)) for k in original)
     assert request_statuses(home) == {1: ("reopened", "2"), 2: ("reopened", "2")}
+    # only version 1 holds weights: 2 is its edit, 3 refers to 1's weights (materialised, they match)
+    from tasks.tracking import get_version
+    from tasks.versions import materialize
+
+    assert [get_version(home, "svc", v).tags["grom.storage"] for v in "123"] == ["full", "edit", "same"]
+    assert materialize(home, "svc", "3") == materialize(home, "svc", "1") != Path(trained_dir)
     by_edit = grom_json(capsys, monkeypatch, "audit", done["edit_id"], "--home", str(home))
     assert by_edit["model"]["reverted_by"] == ["3"]
     code, out, err = grom(capsys, monkeypatch, "request", "requeue", "1", "--home", str(home))
@@ -418,7 +424,7 @@ def test_prefect_yaml_deployments_point_at_real_flows():
 def test_registered_versions_resolve_to_folders_even_when_the_folder_is_gone(trained_dir, data, tmp_path, capsys,
                                                                              monkeypatch):
     from grom_core.errors import DataError
-    from tasks.tracking import resolve_model
+    from tasks.versions import resolve_model
 
     home = tmp_path / "ws"
     model = tmp_path / "model"
