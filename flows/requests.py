@@ -25,6 +25,7 @@ from grom_core.gates import Gates
 from grom_core.methods import DEFAULT_METHOD
 from grom_core.profiling import Timings
 from tasks import requests as queue
+from tasks import steps
 from tasks.catalog import Catalog, now
 from tasks.lake import purge_forget_text
 from tasks.tracking import client, get_version, serving_version, set_serving, versions
@@ -75,13 +76,13 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     if parent is None:
         raise DataError(f"'{name}' has no version in service (alias 'serving'); register one with "
                         f"`grom model register` or revert to one with `grom revert`")
-    model_dir = version_model_dir(ws.root, name, parent)
-    check_version_weights(ws.root, name, parent, model_dir)  # before any work: a changed folder costs nothing
+    loaded = timings.run("load", steps.load, str(version_model_dir(ws.root, name, parent)))
+    check_version_weights(ws.root, name, parent, loaded)  # before any work: a changed folder costs nothing
     batch.parent.mkdir(parents=True, exist_ok=True)
     batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
     evaluation = dict(service.evaluation)
     quantizers = evaluation.pop("quantizers", None)
-    outcome = compute(timings, ws, model=str(model_dir), forget=str(batch), retain=service.retain_path,
+    outcome = compute(timings, ws, model=loaded, forget=str(batch), retain=service.retain_path,
                       method=DEFAULT_METHOD, params=service.params, evaluation=None, quantizers=quantizers,
                       max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format)
     reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized)
@@ -121,18 +122,13 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
             "seconds": timings.total()}
 
 
-def check_version_weights(root: Path, name: str, version: str, model_dir: Path) -> None:
-    """The weights in `model_dir` are those registered as `version` (its fingerprint tag), or a clear error."""
+def check_version_weights(root: Path, name: str, version: str, loaded: steps.LoadedModel) -> None:
+    """The loaded weights are those registered as `version` (its fingerprint tag), or a clear error."""
     expected = get_version(root, name, version).tags.get("fingerprint")
-    if not expected:
-        return
-    from grom_core.fingerprint import weights_fingerprint
-    from tasks.steps import load_for_edit
-
-    model, _ = load_for_edit(str(model_dir))
-    if weights_fingerprint(model) != expected:
-        raise FingerprintMismatchError(f"the weights in {model_dir} are not those registered as version {version} "
-                                       f"of '{name}'; restore the folder or register the model again")
+    if expected and loaded.fingerprint() != expected:
+        raise FingerprintMismatchError(f"the weights in {loaded.model_dir} are not those registered as version "
+                                       f"{version} of '{name}'; restore the folder (or delete it: the version is "
+                                       f"materialised from the registry then) or register the model again")
 
 
 def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float) -> list[str]:

@@ -1,7 +1,8 @@
 """The `unlearn` flow, read top to bottom as the pipeline:
 
-    ingest -> unlearn (the method: for GROM layer scores, retain statistics (cached), solve) -> apply and save
-           -> influence audit -> evaluate before and after -> quantization attack -> report
+    ingest -> load the model (once) -> unlearn (the method: for GROM layer scores, retain statistics (cached),
+           solve) -> evaluate before -> apply and save -> influence audit -> evaluate after
+           -> quantization attack -> report
            -> register (MLflow: the edit over the version holding the unedited weights) and commit (DuckDB
               catalog), one Prefect transaction
 
@@ -76,31 +77,34 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     return result
 
 
-def compute(timings: Timings, ws: Workspace, *, model: str, forget: str, retain: str, method: str, params: dict,
-            evaluation: EvaluationSpec | None, workers: int = 0, dask_address: str | None = None,
-            quantizers: list[str] | None = None, max_examples: int = 200, prompt_format: str = "qa") -> Outcome:
+def compute(timings: Timings, ws: Workspace, *, model: str | steps.LoadedModel, forget: str, retain: str,
+            method: str, params: dict, evaluation: EvaluationSpec | None, workers: int = 0,
+            dask_address: str | None = None, quantizers: list[str] | None = None, max_examples: int = 200,
+            prompt_format: str = "qa") -> Outcome:
     """Everything before registration. Writes only content-addressed files under the workspace's lake, edits
     and models folders, so a failure here leaves the catalog and the registry untouched.
 
-    `quantizers`: the attacks to run (None: every available one; []: none). `max_examples`: the own-data
-    evaluation's size when `evaluation` is None."""
+    `model`: a folder, loaded once here, or a model the caller loaded (`steps.load`); either way the tasks share
+    one copy, edited in place by `apply_and_save`. `quantizers`: the attacks to run (None: every available one;
+    []: none). `max_examples`: the own-data evaluation's size when `evaluation` is None."""
     lake_root = str(ws.root / "lake")
     data = timings.run("ingest", steps.ingest, forget, retain, lake_root)
-    unlearned = timings.run("unlearn", steps.unlearn, model, data, method, params, lake_root, str(ws.edits),
+    loaded = model if isinstance(model, steps.LoadedModel) else timings.run("load", steps.load, model)
+    unlearned = timings.run("unlearn", steps.unlearn, loaded, data, method, params, lake_root, str(ws.edits),
                             workers, dask_address, prompt_format)
-    edited = timings.run("apply_and_save", steps.apply_and_save, model, unlearned, str(ws.models))
-    audit = timings.run("influence", steps.influence_audit, unlearned, data, lake_root)
     spec = evaluation or EvaluationSpec(forget=data.forget.path, retain=data.retain.path, max_examples=max_examples,
                                         prompt_format=prompt_format)
     cache_root = str(ws.root / "cache" / "evaluations")
-    before = timings.run("evaluate_before", steps.evaluate, model, spec, cache_root)
-    after = timings.run("evaluate_after", steps.evaluate, edited.model_dir, spec, cache_root)
+    before = timings.run("evaluate_before", steps.evaluate, loaded, spec, cache_root)
+    edited = timings.run("apply_and_save", steps.apply_and_save, loaded, unlearned, str(ws.models))
+    audit = timings.run("influence", steps.influence_audit, unlearned, data, lake_root)
+    after = timings.run("evaluate_after", steps.evaluate, loaded, spec, cache_root)
     quantized = {}
     if quantizers != []:
-        quantized = timings.run("quantization", steps.quantization_check, edited, model, unlearned, spec,
+        quantized = timings.run("quantization", steps.quantization_check, loaded, unlearned, spec,
                                 dict(after.metrics), quantizers)
     plots = ws.root / "lake" / "plots" / unlearned.edit_id
-    outcome = Outcome(model=model, ingested=data, unlearned=unlearned, edited=edited, audit=audit,
+    outcome = Outcome(model=loaded.model_dir, ingested=data, unlearned=unlearned, edited=edited, audit=audit,
                       before=before.metrics, after=after.metrics, quantized=quantized, plots=str(plots))
     write_report(outcome, timings.seconds)
     return outcome

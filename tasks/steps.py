@@ -1,8 +1,9 @@
 """Prefect tasks of the unlearning flow: thin wrappers over grom_core plus storage glue.
 
-Tasks exchange the typed records of `tasks.records` (paths, digests, counts, flat metric dicts), never tensors or
-models; each task that needs the model loads it from its directory (safetensors). Caching is by content digest
-(the retain statistics, the evaluation cache), not by Prefect's run-scoped cache.
+Tasks exchange the typed records of `tasks.records` (paths, digests, counts, flat metric dicts) and one
+`LoadedModel`: the model is loaded once per flow run (`load`) and handed from task to task by reference, never
+reloaded. Caching is by content digest (the retain statistics, the evaluation cache), not by Prefect's run-scoped
+cache, so no task hashes its inputs (NO_CACHE).
 """
 
 from __future__ import annotations
@@ -59,6 +60,32 @@ def load_for_edit(model_dir: str):
     return model, tokenizer
 
 
+class LoadedModel:
+    """A model, its tokenizer and the folder it came from, loaded once for a flow run.
+
+    Its weights change in exactly one place, `apply_and_save`, which applies the edit in place and keeps the
+    unedited weights of the modules it touched in `base_weights` ({module: (out, in) tensor on the CPU}; the
+    quantization check compares both). Before that step the model holds the folder's weights, after it the
+    edited ones."""
+
+    def __init__(self, model_dir: str, model, tokenizer):
+        self.model_dir, self.model, self.tokenizer = str(model_dir), model, tokenizer
+        self.base_weights: dict = {}
+
+    def fingerprint(self) -> str:
+        return weights_fingerprint(self.model)
+
+    def __repr__(self) -> str:  # what Prefect logs for a task parameter
+        return f"LoadedModel({self.model_dir!r}{', edited' if self.base_weights else ''})"
+
+
+@task(name="load-model", cache_policy=NO_CACHE)
+def load(model_dir: str) -> LoadedModel:
+    """The model of a flow run, loaded for editing (`load_for_edit`): the only load of the run."""
+    model, tokenizer = load_for_edit(model_dir)
+    return LoadedModel(model_dir, model, tokenizer)
+
+
 def dataset_record(role: str, rows: list[dict], source: str, lake_root: Path) -> Dataset:
     """Write `rows` (with their sha256) to the lake as Parquet, content-addressed, and describe them."""
     import pyarrow as pa
@@ -106,17 +133,18 @@ def _dask_statistics(model_dir: str, data: Ingested, batch_size: int, max_length
 
 
 @task(name="unlearn", cache_policy=NO_CACHE)
-def unlearn(model_dir: str, data: Ingested, method: str, params: dict, lake_root: str, edits_root: str,
+def unlearn(loaded: LoadedModel, data: Ingested, method: str, params: dict, lake_root: str, edits_root: str,
             workers: int = 0, dask_address: str | None = None, prompt_format: str = "qa") -> Unlearned:
-    """Run one method of the registry on the model; save its edit, and for a closed form the records of its
-    solves and the forget keys (Parquet shards). The retain statistics are cached in the lake."""
+    """Run one method of the registry on the model (which every method leaves as it found it); save its edit,
+    and for a closed form the records of its solves and the forget keys (Parquet shards). The retain statistics
+    are cached in the lake."""
     entry = get_method(method)
     typed = entry.params.from_dict(params)
     root = Path(lake_root)
-    model, tokenizer = load_for_edit(model_dir)
+    model, tokenizer = loaded.model, loaded.tokenizer
     compute = None
     if workers or dask_address:
-        compute = _dask_statistics(model_dir, data, getattr(typed, "batch_size", 16),
+        compute = _dask_statistics(loaded.model_dir, data, getattr(typed, "batch_size", 16),
                                    getattr(typed, "max_length", 512), root, workers, dask_address, prompt_format)
     store = lake.LakeStatsStore(root)
     context = MethodContext(stats_store=store, compute_stats=compute, prompt_format=prompt_format)
@@ -146,13 +174,17 @@ def unlearn(model_dir: str, data: Ingested, method: str, params: dict, lake_root
 
 
 @task(name="apply-and-save", cache_policy=NO_CACHE)
-def apply_and_save(model_dir: str, unlearned: Unlearned, models_root: str) -> Edited:
-    """Apply the edit to a fresh copy of the model and save it (safetensors) with its tokenizer and the undo."""
-    model, tokenizer = load_for_edit(model_dir)
+def apply_and_save(loaded: LoadedModel, unlearned: Unlearned, models_root: str) -> Edited:
+    """Apply the edit to the loaded model in place (the unedited weights of its modules kept in
+    `loaded.base_weights`) and save the result (safetensors) with its tokenizer, and the undo beside the edit."""
+    from grom_core.adapter import get_module
+
     edit = Edit.load(unlearned.edit_dir)
-    undo = edit.apply(model)
+    loaded.base_weights = {name: weight_out_in(get_module(loaded.model, name)).detach().to("cpu", copy=True)
+                           for name in edit.deltas}
+    undo = edit.apply(loaded.model)
     undo.save(Path(unlearned.edit_dir) / "undo.safetensors")
-    out = save_model(model, tokenizer, Path(models_root) / f"edited-{edit.edit_id}")
+    out = save_model(loaded.model, loaded.tokenizer, Path(models_root) / f"edited-{edit.edit_id}")
     return Edited(model_dir=str(out), fingerprint=undo.post_fingerprint)
 
 
@@ -218,18 +250,18 @@ def _lake_rows(path: str | None) -> list[dict]:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
-def evaluate(model_dir: str, spec: EvaluationSpec, cache_root: str) -> Evaluation:
-    """Metrics of one model, cached by (weights fingerprint, evaluation spec digest): the unedited model is
-    evaluated once. The cache file is written under a temporary name and renamed, so a crash never leaves a
-    truncated entry; an unreadable entry is recomputed."""
+def evaluate(loaded: LoadedModel, spec: EvaluationSpec, cache_root: str) -> Evaluation:
+    """Metrics of the model's current weights, cached by (weights fingerprint, evaluation spec digest): the
+    unedited model is evaluated once. The cache file is written under a temporary name and renamed, so a crash
+    never leaves a truncated entry; an unreadable entry is recomputed."""
     import time
 
-    model, tokenizer = load_model(model_dir)
-    cache = Path(cache_root) / f"{weights_fingerprint(model)[:24]}-{spec.digest()[:16]}.json"
+    model, tokenizer = loaded.model, loaded.tokenizer
+    cache = Path(cache_root) / f"{loaded.fingerprint()[:24]}-{spec.digest()[:16]}.json"
     if cache.is_file():
         try:
             cached = json.loads(cache.read_text())
-            log.info("evaluate: reusing cached metrics of %s", model_dir)
+            log.info("evaluate: reusing cached metrics of %r", loaded)
             return Evaluation(metrics=cached["metrics"], seconds=cached["seconds"])
         except (json.JSONDecodeError, KeyError, TypeError):
             log.warning("evaluate: the cached metrics in %s are unreadable; evaluating again", cache)
@@ -243,9 +275,10 @@ def evaluate(model_dir: str, spec: EvaluationSpec, cache_root: str) -> Evaluatio
 
 
 @task(name="quantization-check", cache_policy=NO_CACHE)
-def quantization_check(edited: Edited, base_dir: str, unlearned: Unlearned, spec: EvaluationSpec, after: dict,
+def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: EvaluationSpec, after: dict,
                        names: list[str] | None = None) -> dict:
-    """Evaluate the edited model after each quantize-dequantize attack; report recovery and edit survival.
+    """Evaluate the edited model (`loaded` after `apply_and_save`) after each quantize-dequantize attack; report
+    recovery and edit survival (the unedited weights from `loaded.base_weights`).
 
     Returns {quantizer: {metrics..., "recovery_<forget metric>": quantized - unquantized, "codes_changed",
     "norm_survival"}} and, under "_note", what could not run.
@@ -256,10 +289,9 @@ def quantization_check(edited: Edited, base_dir: str, unlearned: Unlearned, spec
 
     specs = quantizers()
     wanted = names or list(specs)
-    model, tokenizer = load_model(edited.model_dir)
-    base, _ = load_model(base_dir, device="cpu")
+    model, tokenizer = loaded.model, loaded.tokenizer
     edit = Edit.load(unlearned.edit_dir)
-    head = output_head_name(base)
+    head = output_head_name(model)
     out: dict = {}
     missing = [n for n in wanted if n not in specs]
     if missing:
@@ -271,7 +303,7 @@ def quantization_check(edited: Edited, base_dir: str, unlearned: Unlearned, spec
         for key in recovery_keys(spec):
             if isinstance(metrics.get(key), float) and isinstance(after.get(key), float):
                 metrics[f"recovery_{key}"] = metrics[key] - after[key]
-        survival = [edit_survival(weight_out_in(base.get_submodule(m)).detach(), d.full(), specs[name])
+        survival = [edit_survival(loaded.base_weights[m], d.full(), specs[name])
                     for m, d in edit.deltas.items() if specs[name].include_lm_head or m != head]
         if survival:
             metrics["codes_changed"] = sum(s["codes_changed"] for s in survival) / len(survival)

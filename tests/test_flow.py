@@ -11,6 +11,7 @@ from conftest import FORGET, RETAIN
 
 from flows.demo import run_unlearn
 from grom_core.errors import DataError, NonFiniteError, UnsupportedArchitectureError
+from grom_core.loading import load_model
 from tasks.catalog import Catalog
 
 pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
@@ -164,7 +165,6 @@ def test_second_run_reuses_the_statistics_and_changes_invalidate_them(first_run,
     assert other_data["cached_stats"] is False
     other_model = home / "other-model"
     shutil.copytree(trained_dir, other_model)
-    from grom_core.loading import load_model
 
     model, tokenizer = load_model(other_model, device="cpu")
     with torch.no_grad():
@@ -186,7 +186,6 @@ def test_forget_examples_in_retain_are_dropped_with_a_warning(harness, trained_d
 def test_two_dask_workers_equal_one_process(trained_dir):
     from grom_core.data import make_batches
     from grom_core.fingerprint import weights_fingerprint
-    from grom_core.loading import load_model
     from grom_core.statistics import accumulate
     from tasks.distributed import sharded_statistics
 
@@ -243,7 +242,6 @@ def test_bad_inputs_give_one_error_and_change_nothing(harness, trained_dir, file
 
 
 def test_non_finite_keys_fail_the_flow_and_change_nothing(harness, trained_dir, files, tmp_path):
-    from grom_core.loading import load_model
 
     broken = tmp_path / "nan-model"
     model, tokenizer = load_model(trained_dir, device="cpu")
@@ -256,11 +254,16 @@ def test_non_finite_keys_fail_the_flow_and_change_nothing(harness, trained_dir, 
     assert_nothing_changed(tmp_path / "ws")
 
 
-def test_gradient_method_runs_through_the_same_flow(harness, trained_dir, files, tmp_path):
+def test_gradient_method_runs_through_the_same_flow(harness, trained_dir, files, tmp_path, monkeypatch):
+    from tasks import steps
+
+    loads = []
+    monkeypatch.setattr(steps, "load_model", lambda path, **kw: loads.append(path) or load_model(path, **kw))
     result = unlearn(harness, trained_dir, files, tmp_path, method="npo",
                      params={"compose": "sago", "trainer": {"epochs": 2, "batch_size": 4, "grad_accum": 2, "lr": 2e-3}})
     assert result["method"] == "npo" and result["compose"] == "sago" and result["cached_stats"] is None
     assert result["unlearning"]["steps"] == 2 * 2 and result["unlearning"]["peak_rss_mb"] > 0
+    assert loads == [str(trained_dir)]  # one load for the whole run: method, evaluations, quantization attack
     assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"]
     rows = Catalog(tmp_path / "catalog.duckdb").query("SELECT method, compose FROM runs")
     assert rows == [{"method": "npo", "compose": "sago"}]

@@ -25,12 +25,13 @@ def test_a_truncated_evaluation_cache_entry_is_evaluated_again(trained_dir, tmp_
     pq.write_table(pa.Table.from_pylist([ex.record() for ex in RETAIN[:4]]), retain)
     spec = EvaluationSpec(forget=str(forget), retain=str(retain), max_examples=4)
     cache = tmp_path / "cache"
-    first = steps.evaluate.fn(str(trained_dir), spec, str(cache))
+    loaded = steps.load.fn(str(trained_dir))
+    first = steps.evaluate.fn(loaded, spec, str(cache))
     [entry] = list(cache.glob("*.json"))
     assert json.loads(entry.read_text())["metrics"] == pytest.approx(dict(first.metrics))
     assert not list(cache.glob("*.tmp"))  # written under a temporary name, then renamed
     entry.write_text(entry.read_text()[: len(entry.read_text()) // 2])  # a crash mid-write, before the fix
-    again = steps.evaluate.fn(str(trained_dir), spec, str(cache))
+    again = steps.evaluate.fn(loaded, spec, str(cache))
     assert again.metrics == pytest.approx(dict(first.metrics))
     assert json.loads(entry.read_text())["metrics"] == pytest.approx(dict(first.metrics))
 
