@@ -26,7 +26,7 @@ from grom_core.methods import DEFAULT_METHOD, method_params
 from tasks import requests as queue
 from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
-from tasks.lake import atomic_parquet, safe_name
+from tasks.lake import atomic_parquet, rows_table, safe_name
 from tasks.records import with_sha256
 from tasks.steps import load_for_edit
 from tasks.tracking import Registration, check_model_name, get_version, register, serving_version, set_serving
@@ -61,9 +61,8 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     catalog = _catalog(ws)
     rows = read_examples(retain)
     digest = data_digest(rows)
-    import pyarrow as pa
 
-    retain_path = atomic_parquet(pa.Table.from_pylist(rows), ws.root / "lake" / "services" / safe_name(name) /
+    retain_path = atomic_parquet(rows_table(rows), ws.root / "lake" / "services" / safe_name(name) /
                                   f"retain-{digest[:24]}.parquet")
     model_path = check_model_dir(model).resolve()
     loaded, _ = load_for_edit(str(model_path))

@@ -90,13 +90,26 @@ def check_layout(rows: list[dict], layout: str, path: str | Path = "data") -> st
     raise DataError(f"{path}: columns {found} do not match the {layout} layout; expected {expected}")
 
 
+def _filled(row: dict, column: str) -> bool:
+    return row.get(column) is not None and row[column] != ""
+
+
 def read_examples(path: str | Path) -> list[dict]:
-    """QA pairs ({question, answer}) or texts ({text}) for training and unlearning, validated."""
+    """QA pairs ({question, answer}) and texts ({text}) for training and unlearning, validated. Each row is one or
+    the other, and a file may hold both (a retain set of facts and of general prose, like minirwku's)."""
     rows = read_rows(path)
-    variant = check_layout(rows, "qa_or_text", path)
-    if variant == "qa":
-        return [{"question": str(r["question"]), "answer": str(r["answer"])} for r in rows]
-    return [{"text": str(r["text"])} for r in rows]
+    if not rows:
+        raise DataError(f"{path} holds no rows")
+    examples = []
+    for number, row in enumerate(rows, start=1):
+        if _filled(row, "question") and _filled(row, "answer"):
+            examples.append({"question": str(row["question"]), "answer": str(row["answer"])})
+        elif _filled(row, "text"):
+            examples.append({"text": str(row["text"])})
+        else:
+            raise DataError(f"{path}: with columns {sorted(row)}, row {number} has no value for ['question', "
+                            f"'answer'] nor for ['text']; every row needs a question and an answer, or a text")
+    return examples
 
 
 def read_benchmark_file(path: str | Path, layout: str) -> list[dict]:

@@ -39,6 +39,13 @@ def atomic_parquet(table: pa.Table, path: Path) -> Path:
     return path
 
 
+def rows_table(rows: list[dict]) -> pa.Table:
+    """Rows as a table with the union of their columns (missing values null): pyarrow's `from_pylist` takes the
+    first row's columns only, which drops the text of a file mixing QA pairs and texts."""
+    columns = list(dict.fromkeys(column for row in rows for column in row))
+    return pa.table({column: [row.get(column) for row in rows] for column in columns})
+
+
 def dataset_path(root: Path, role: str, digest: str) -> Path:
     """Where an ingested dataset lives in the lake (content-addressed)."""
     return root / "datasets" / f"{role}-{digest[:24]}.parquet"

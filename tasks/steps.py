@@ -88,10 +88,9 @@ def load(model_dir: str) -> LoadedModel:
 
 def dataset_record(role: str, rows: list[dict], source: str, lake_root: Path) -> Dataset:
     """Write `rows` (with their sha256) to the lake as Parquet, content-addressed, and describe them."""
-    import pyarrow as pa
 
     digest = data_digest(rows)
-    path = lake.atomic_parquet(pa.Table.from_pylist([with_sha256(r) for r in rows]),
+    path = lake.atomic_parquet(lake.rows_table([with_sha256(r) for r in rows]),
                                lake.dataset_path(lake_root, role, digest))
     return Dataset(role=role, name=f"{role}:{Path(source).name}", digest=digest, path=str(path), source=str(source),
                    n=len(rows))

@@ -12,6 +12,7 @@ from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig
 from grom_core.loading import load_model
 from tasks.datafiles import read_benchmark_file, read_examples, read_rows, tofu_splits_from_dir
+from tasks.lake import rows_table
 
 SMALL_MODEL = TinyModelConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                               max_length=128)
@@ -61,6 +62,10 @@ def test_data_files_in_every_format(tmp_path):
         assert read_examples(tmp_path / name) == rows
     (tmp_path / "t.jsonl").write_text('{"text": "hello"}\n')
     assert read_examples(tmp_path / "t.jsonl") == [{"text": "hello"}]
+    mixed = [rows[0], {"text": "Prose, not a question."}, rows[1]]  # facts and general text in one retain file
+    pq.write_table(rows_table(mixed), tmp_path / "m.parquet")  # missing columns come back as None
+    assert read_examples(tmp_path / "m.parquet") == mixed
+    assert pa.Table.from_pylist(mixed).column_names == ["question", "answer"]  # why rows_table exists
 
 
 def test_bad_data_files_are_named(tmp_path):
