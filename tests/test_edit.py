@@ -159,3 +159,23 @@ def test_a_row_sparse_delta_is_the_full_one_with_zero_rows(tiny_llama, tmp_path)
     assert_bit_identical(before, tiny_llama)
     loaded = Edit.load(edit.save(tmp_path / "edit"))
     assert torch.equal(loaded.deltas[name].row_index, rows) and loaded.edit_id == edit.edit_id
+
+
+def test_weights_fingerprint_is_its_definition_on_any_thread_count_and_sees_one_bit(tiny_llama):
+    import copy
+    import hashlib
+    import json
+
+    model = copy.deepcopy(tiny_llama)
+    outer = hashlib.sha256()  # the definition, written out: name, dtype, shape, sha256 of the raw bytes
+    for name, tensor in sorted(model.state_dict().items()):
+        outer.update(name.encode() + str(tensor.dtype).encode() + json.dumps(list(tensor.shape)).encode())
+        outer.update(hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).digest())
+    assert weights_fingerprint(model, threads=1) == weights_fingerprint(model, threads=4) == outer.hexdigest()
+    ModelAdapter.for_model(model).untie_lm_head()
+    assert weights_fingerprint(model) == outer.hexdigest()  # untying (or not, if untied) changes no weight
+    weight = model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        bits = weight.view(torch.int32)
+        bits[3, 5] ^= 1  # the lowest bit of one entry
+    assert weights_fingerprint(model) != outer.hexdigest()
