@@ -190,9 +190,9 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
         log.info("bench %s: %.2f s, %s", label, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table if isinstance(metrics.get(k), float)))
     # the floor: one forward pass over the forget data and one over the retain data, the least a method that
-    # looks at both can do, timed in this process beside the methods
-    forget_batches = make_batches(tokenizer, as_examples(forget), 16, fmt=bench.prompt_format)
-    retain_batches = make_batches(tokenizer, as_examples(retain), 16, fmt=bench.prompt_format)
+    # looks at both can do (batched by length, the least padding), timed in this process beside the methods
+    forget_batches = make_batches(tokenizer, as_examples(forget), 16, fmt=bench.prompt_format, by_length=True)
+    retain_batches = make_batches(tokenizer, as_examples(retain), 16, fmt=bench.prompt_format, by_length=True)
     floor = {"forget_s": plain_forward_seconds(model, forget_batches),
              "retain_s": plain_forward_seconds(model, retain_batches),
              "forget_tokens": sum(int(b.attention_mask.sum()) for b in forget_batches),

@@ -193,7 +193,7 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
             f"(numerically a no-op), or set edit_lm_head=False")
     forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
-                                  first_id=len(forget_ex), fmt=fmt)
+                                  first_id=len(forget_ex), fmt=fmt, by_length=True)  # only summed: any order
     vocab = weight_out_in(adapter.lm_head).shape[0]
     weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(retain_batches), vocab,
                                   sharpness=params.sharpness, threshold=params.threshold,

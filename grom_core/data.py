@@ -183,19 +183,26 @@ def pad_token_id(tokenizer) -> int:
 
 
 def make_batches(tokenizer, examples: Sequence[Example], batch_size: int = 16, max_length: int = 512,
-                 first_id: int = 0, fmt: str | PromptFormat = "qa") -> list[Batch]:
-    """Encode (in prompt format `fmt`) and batch examples in order; example ids run from `first_id`."""
+                 first_id: int = 0, fmt: str | PromptFormat = "qa", by_length: bool = False) -> list[Batch]:
+    """Encode (in prompt format `fmt`) and batch examples; example i gets id `first_id + i`.
+
+    In order by default. `by_length` batches examples of similar length together (longest first), for passes whose
+    result does not depend on the order (sums of statistics, token counts): a batch is as wide as its longest
+    example, so mixing short facts with long prose pays for padding (minirwku's retain data in batches of 16:
+    1.87 positions per real token in order, 1.13 by length)."""
     if not examples:
         raise DataError("no examples given; the forget and retain sets must each hold at least one example")
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
     encoded = [encode(tokenizer, ex, max_length, fmt) for ex in examples]
+    order = list(range(len(encoded)))
+    if by_length:
+        order.sort(key=lambda i: -len(encoded[i].input_ids))  # stable: ties keep their order
     pad = pad_token_id(tokenizer)
     batches = []
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start:start + batch_size]
-        ids = range(first_id + start, first_id + start + len(chunk))
-        batches.append(collate(chunk, ids, pad))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batches.append(collate([encoded[i] for i in chunk], [first_id + i for i in chunk], pad))
     return batches
 
 

@@ -30,7 +30,7 @@ def shard_statistics(model_dir: str, rows: list[dict], first_id: int, modules: l
     torch.set_num_threads(1)  # one thread per worker process: the cluster provides the parallelism
     model, tokenizer = load_model(model_dir, device="cpu")
     batches = make_batches(tokenizer, as_examples(rows), batch_size, max_length, first_id=first_id,
-                           fmt=prompt_format)
+                           fmt=prompt_format, by_length=True)
     stats = accumulate(model, batches, modules, fingerprint=fingerprint, data_digest=data_digest)
     paths = {}
     for name, st in stats.items():

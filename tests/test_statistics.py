@@ -23,6 +23,29 @@ def test_accumulated_gram_equals_the_gram_of_all_keys(tiny_llama, tokenizer):
         assert stats[name].gram.dtype == torch.float64
 
 
+def test_batches_by_length_keep_ids_pad_less_and_give_the_same_statistics(tiny_llama, tokenizer):
+    from grom_core.data import Example
+
+    examples = [Example(text=" ".join(["word"] * (1 + 7 * (i % 5)))) for i in range(20)] + RETAIN[:10]
+    in_order = make_batches(tokenizer, examples, batch_size=4, first_id=100)
+    by_length = make_batches(tokenizer, examples, batch_size=4, first_id=100, by_length=True)
+    ids = torch.cat([b.example_ids for b in by_length])
+    assert sorted(ids.tolist()) == list(range(100, 130)) and ids.tolist() != list(range(100, 130))
+    for batch in by_length:  # each row is its example, whatever batch it landed in
+        for row, example_id in enumerate(batch.example_ids.tolist()):
+            alone = make_batches(tokenizer, [examples[example_id - 100]], batch_size=1)[0]
+            n = int(alone.attention_mask.sum())
+            assert batch.input_ids[row, :n].equal(alone.input_ids[0, :n]) and int(batch.attention_mask[row].sum()) == n
+    width = sum(b.input_ids.numel() for b in by_length)
+    assert width < sum(b.input_ids.numel() for b in in_order)
+    first = accumulate(tiny_llama, in_order, MODULES, fingerprint="fp")
+    second = accumulate(tiny_llama, by_length, MODULES, fingerprint="fp")
+    for name in MODULES:  # the same keys up to float32 rounding (the model runs batches of other widths)
+        assert first[name].count == second[name].count
+        scale = float(first[name].gram.abs().max())
+        assert torch.allclose(first[name].gram, second[name].gram, rtol=1e-5, atol=1e-6 * scale)
+
+
 def test_merged_shards_equal_the_whole(tiny_llama, tokenizer):
     batches = make_batches(tokenizer, RETAIN[:24], batch_size=5)
     whole = accumulate(tiny_llama, batches, MODULES, fingerprint="fp")
