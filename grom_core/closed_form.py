@@ -370,10 +370,11 @@ class _SequentialSolver:
         outputs = []
         if self.params.target == "corrupt":
             outputs = [self.adapter.block_names[layer] for layer in self.layers]
+        # early stop: the pass ends at the LM head's input, the logits themselves are never needed
         if edit is None or not edit.deltas:
-            return collect(self.model, self.batches, inputs, outputs, early_stop=False, desc="forget keys")
+            return collect(self.model, self.batches, inputs, outputs, desc="forget keys")
         with edit.applied(self.model, verify=False):
-            return collect(self.model, self.batches, inputs, outputs, early_stop=False, desc="forget keys")
+            return collect(self.model, self.batches, inputs, outputs, desc="forget keys")
 
     def solve(self, modules: list[str]) -> tuple[dict[str, ModuleDelta], dict[str, SolveRecord]]:
         params, adapter = self.params, self.adapter
