@@ -216,7 +216,8 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list; methods: " +
                                               ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
                                                                             "simnpo:sum,simnpo:sago"),
-    quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, fp4_head_kept.")] = "fp4,nf4",
+    quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, gguf_q4_1, "
+                                                 "fp4_head_kept.")] = "fp4,nf4",
     epochs: Annotated[int | None, typer.Option(min=1, help="Epochs of the gradient methods (default: the "
                                                           "benchmark's recipe, TOFU's 10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,

@@ -3,7 +3,9 @@
 Quantizers (each a function W [out, in] -> (deq(Q(W)), codes)):
 - fp4, nf4: bitsandbytes 4-bit, absmax blocks of 64 (fp4 is what `load_in_4bit=True` alone gives);
 - int8: row-wise absmax 8-bit (LLM.int8's vector-wise quantization, without the outlier split);
-- rtn4: pure-torch round-to-nearest symmetric 4-bit with groups of 128 (no bitsandbytes needed).
+- rtn4: pure-torch round-to-nearest symmetric 4-bit with groups of 128 (no bitsandbytes needed);
+- gguf_q4_1: llama.cpp's Q4_1 blocks of 32 with the LM head in Q8_0, as `llama-quantize ... Q4_1` writes a file
+  (pure torch): the round trip a llama.cpp user runs, and a fixed point for a model read from such a file.
 Two ways: every linear layer including the LM head, or the way transformers does it (LM head kept in full
 precision, `fp4_head_kept`). A small edit can vanish in the rounding: the diagnostics say how many 4-bit codes the
 edit changes and how much of its norm survives ||deq(Q(W+P)) - deq(Q(W))|| / ||P||.
@@ -35,6 +37,39 @@ def rtn4(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     scale = padded.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7
     codes = torch.clamp(torch.round(padded / scale), -8, 7)
     deq = (codes * scale).reshape(out_dim, -1)[:, :in_dim]
+    return deq.to(weight.dtype), codes.reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+
+
+def gguf_q4_1(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1 (what `llama-quantize ... Q4_1` does to a row): blocks of 32 inputs, unsigned 4-bit codes
+    q = floor((w - min) / d + 1/2) clamped to 0..15 with d = (max - min) / 15, and w' = q d + min with d and min
+    stored as float16; (dequantized, codes). A model read from a Q4_1 GGUF file (SmolLM2 here) lies on this grid,
+    so the round trip gives its weights back and erases whatever an edit moved by less than d / 2."""
+    w = weight.float()
+    out_dim, in_dim = w.shape
+    pad = (-in_dim) % block
+    padded = torch.nn.functional.pad(w, (0, pad), value=float("nan")).reshape(out_dim, -1, block)
+    low = torch.nan_to_num(padded, nan=float("inf")).amin(dim=-1, keepdim=True)
+    high = torch.nan_to_num(padded, nan=float("-inf")).amax(dim=-1, keepdim=True)
+    d = (high - low) / 15
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.clamp(torch.floor((padded - low) * inverse + 0.5), 0, 15)
+    deq = codes * d.half().float() + low.half().float()
+    deq = deq.reshape(out_dim, -1)[:, :in_dim]
+    return deq.to(weight.dtype), torch.nan_to_num(codes, nan=0).reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+
+
+def gguf_q8_0(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0: blocks of 32 inputs, codes round(w / d) with d = absmax / 127 stored as float16, w' = q d;
+    (dequantized, codes). What a Q4_1 file keeps its token embedding (SmolLM2's tied output matrix) in."""
+    w = weight.float()
+    out_dim, in_dim = w.shape
+    padded = torch.nn.functional.pad(w, (0, (-in_dim) % block)).reshape(out_dim, -1, block)
+    d = padded.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    scaled = padded * inverse
+    codes = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)  # ggml's roundf: halves away from zero
+    deq = (codes * d.half().float()).reshape(out_dim, -1)[:, :in_dim]
     return deq.to(weight.dtype), codes.reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
 
 
@@ -76,11 +111,17 @@ class QuantSpec:
     name: str
     quantize: Quantizer
     include_lm_head: bool = True
+    head_quantize: Quantizer | None = None  # the LM head's own format, where it differs (llama.cpp: 8 bits)
+
+    def quantizer(self, head: bool = False) -> Quantizer:
+        return self.head_quantize if head and self.head_quantize is not None else self.quantize
 
 
 def quantizers(available: bool | None = None) -> dict[str, QuantSpec]:
-    """The attacks that run on this machine: fp4, nf4, int8, rtn4, fp4_head_kept (rtn4 only without bitsandbytes)."""
-    specs = {"rtn4": QuantSpec("rtn4", rtn4)}
+    """The attacks that run on this machine: fp4, nf4, int8, rtn4, gguf_q4_1, fp4_head_kept (rtn4 and gguf_q4_1
+    only without bitsandbytes)."""
+    specs = {"rtn4": QuantSpec("rtn4", rtn4),
+             "gguf_q4_1": QuantSpec("gguf_q4_1", gguf_q4_1, head_quantize=gguf_q8_0)}
     if available if available is not None else bitsandbytes_available():
         specs = {"fp4": QuantSpec("fp4", _bnb_4bit("fp4")), "nf4": QuantSpec("nf4", _bnb_4bit("nf4")),
                  "int8": QuantSpec("int8", int8_rowwise), **specs,
@@ -100,23 +141,26 @@ def quantized(model: nn.Module, spec: QuantSpec) -> Iterator[int]:
     """Replace every targeted linear weight by its round trip for the `with` block; restore the exact bits after.
     Yields the number of quantized matrices."""
     modules = _linear_modules(model, spec.include_lm_head)
+    head = output_head_name(model)
     saved = {name: m.weight.detach().clone() for name, m in modules.items()}
     try:
-        for module in modules.values():
+        for name, module in modules.items():
             w = weight_out_in(module)
-            w.copy_(spec.quantize(w.detach())[0])
+            w.copy_(spec.quantizer(name == head)(w.detach())[0])
         yield len(modules)
     finally:
         for name, module in modules.items():
             module.weight.copy_(saved[name])
 
 
-def edit_survival(weight: torch.Tensor, delta: torch.Tensor, spec: QuantSpec) -> dict[str, float]:
-    """How much of an edit P survives the round trip of W [out, in] (any dtype): the fraction of codes it changes,
-    and ||deq(Q(W+P)) - deq(Q(W))|| / ||P|| (1: survives whole, 0: rounded away)."""
+def edit_survival(weight: torch.Tensor, delta: torch.Tensor, spec: QuantSpec, head: bool = False
+                  ) -> dict[str, float]:
+    """How much of an edit P survives the round trip of W [out, in] (any dtype; `head`: W is the LM head): the
+    fraction of codes it changes, and ||deq(Q(W+P)) - deq(Q(W))|| / ||P|| (1: survives whole, 0: rounded away)."""
     w = weight.double()
-    before, codes_before = spec.quantize(w.float())
-    after, codes_after = spec.quantize((w + delta.double()).float())
+    quantize = spec.quantizer(head)
+    before, codes_before = quantize(w.float())
+    after, codes_after = quantize((w + delta.double()).float())
     changed = float((codes_before != codes_after).float().mean())
     norm = float(delta.double().norm())
     kept = float((after.double() - before.double()).norm()) / norm if norm > 0 else 0.0

@@ -302,7 +302,7 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
         for key in recovery_keys(spec):
             if isinstance(metrics.get(key), float) and isinstance(after.get(key), float):
                 metrics[f"recovery_{key}"] = metrics[key] - after[key]
-        survival = [edit_survival(loaded.base_weights[m], d.full(), specs[name])
+        survival = [edit_survival(loaded.base_weights[m], d.full(), specs[name], head=m == head)
                     for m, d in edit.deltas.items() if specs[name].include_lm_head or m != head]
         if survival:
             metrics["codes_changed"] = sum(s["codes_changed"] for s in survival) / len(survival)

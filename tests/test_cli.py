@@ -35,7 +35,8 @@ def test_demo_json(small_workspace):
     assert result["mlflow"]["version"] == "2"  # version 1 holds the unedited weights, version 2 the edit
     assert timings["total"] >= sum(timings[k] for k in ("ingest", "unlearn", "evaluate_before", "evaluate_after"))
     quantized = result["metrics"]["quantized"]
-    attacks = {"fp4", "nf4", "int8", "rtn4", "fp4_head_kept"} if HAS_BITSANDBYTES else {"rtn4", "_note"}
+    attacks = ({"fp4", "nf4", "int8", "rtn4", "gguf_q4_1", "fp4_head_kept"} if HAS_BITSANDBYTES
+               else {"rtn4", "gguf_q4_1", "_note"})
     assert attacks == set(quantized)
     attack = quantized[ATTACK]
     assert "recovery_forget_rougeL_recall" in attack and 0 <= attack["codes_changed"] <= 1

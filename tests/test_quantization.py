@@ -4,7 +4,16 @@ import pytest
 import torch
 from conftest import needs_bitsandbytes
 
-from grom_core.quantization import QuantSpec, edit_survival, int8_rowwise, quantized, quantizers, rtn4
+from grom_core.quantization import (
+    QuantSpec,
+    edit_survival,
+    gguf_q4_1,
+    gguf_q8_0,
+    int8_rowwise,
+    quantized,
+    quantizers,
+    rtn4,
+)
 
 
 def test_rtn4_by_hand():
@@ -19,14 +28,38 @@ def test_int8_by_hand():
     assert codes.tolist() == [[127, -63, 0]] and deq.flatten().tolist() == pytest.approx([127.0, -63.0, 0.0])
 
 
-def test_without_bitsandbytes_only_rtn4_is_offered():
-    assert set(quantizers(available=False)) == {"rtn4"}
+def test_gguf_q4_1_by_hand_and_its_own_grid_is_a_fixed_point():
+    block = [0.0, 0.0625, 0.125, 0.9375, 0.5, 0.53] + [0.25] * 26  # min 0, max 15/16: d = 1/16 exactly
+    w = torch.tensor([block + [-1.0, -1.0, -1.0]])  # and a 3-wide tail block of equal values (d = 0)
+    deq, codes = gguf_q4_1(w)
+    assert codes[0, :6].tolist() == [0, 1, 2, 15, 8, 8] and codes[0, 32:].tolist() == [0, 0, 0]
+    assert deq[0, :6].tolist() == [0.0, 0.0625, 0.125, 0.9375, 0.5, 0.5] and deq[0, 32:].tolist() == [-1.0] * 3
+    rows = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+    once, _ = gguf_q4_1(rows)
+    assert float((once - rows).abs().max()) <= float((rows.max() - rows.min()) / 15 / 2 + 1e-3)
+    twice, _ = gguf_q4_1(once)
+    assert torch.equal(twice, once)  # what a Q4_1 file gives back survives the round trip unchanged
+    edited, _ = gguf_q4_1(once + 1e-4)  # an edit far below d / 2 is rounded away entirely
+    assert torch.equal(edited, once)
+
+
+def test_gguf_q8_0_by_hand():
+    w = torch.tensor([[127.0, 62.5, -62.5, 0.5, 0.4] + [0.0] * 27])  # absmax 127: d = 1
+    deq, codes = gguf_q8_0(w)
+    assert codes[0, :5].tolist() == [127, 63, -63, 1, 0]  # halves away from zero, as ggml's roundf (not to even)
+    assert deq[0, :5].tolist() == [127.0, 63.0, -63.0, 1.0, 0.0]
+    scaled = w / 100  # d = 1.27 / 127, stored as float16
+    assert torch.equal(gguf_q8_0(gguf_q8_0(scaled)[0])[0], gguf_q8_0(scaled)[0])
+
+
+def test_without_bitsandbytes_the_pure_torch_attacks_are_offered():
+    assert set(quantizers(available=False)) == {"rtn4", "gguf_q4_1"}
 
 
 @needs_bitsandbytes
 def test_bitsandbytes_round_trips_are_close_and_every_attack_is_listed():
     specs = quantizers()
-    assert {"fp4", "nf4", "int8", "rtn4", "fp4_head_kept"} == set(specs)
+    assert {"fp4", "nf4", "int8", "rtn4", "gguf_q4_1", "fp4_head_kept"} == set(specs)
     assert not specs["fp4_head_kept"].include_lm_head and specs["fp4"].include_lm_head
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     for name in ("fp4", "nf4", "int8", "rtn4"):

@@ -86,3 +86,18 @@ def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2
               f"{float(rest_before.mean()):.3f} -> {float(rest_after.mean()):.3f} (worst ratio "
               f"{float((rest_after / rest_before).min()):.3f}); layers {run.layers}; stages "
               f"{({k: round(v, 1) for k, v in run.timings_s.items()})}")
+
+
+def test_the_gguf_round_trip_attack_is_llama_cpps_arithmetic(smollm2):
+    """SmolLM2 came from a Q4_1 file (body in Q4_1, token embedding = tied head in Q8_0), so the gguf_q4_1 attack
+    must give every one of its linear weights back bit for bit: a check of the attack against the real file."""
+    from grom_core.adapter import weight_out_in
+    from grom_core.quantization import _linear_modules, quantizers
+
+    model, _ = load_for_edit(smollm2.model_dir)
+    spec = quantizers(available=False)["gguf_q4_1"]
+    modules = _linear_modules(model, include_lm_head=True)
+    assert len(modules) == 30 * 7 + 1
+    for name, module in modules.items():
+        weight = weight_out_in(module).detach()
+        assert torch.equal(spec.quantizer(name == "lm_head")(weight)[0], weight), name
