@@ -137,6 +137,22 @@ def test_an_edited_version_materialises_bit_for_bit_from_its_parent_and_edit(fir
             materialize_version(name, version, home=str(home), out=str(tmp_path / "copy"))
         with pytest.raises(DataError, match="has no version 99"):
             materialize_version(name, "99", home=str(home))
+        # tampered lineage: weights that do not match the tag are never cached; a loop is named
+        from grom_core.errors import FingerprintMismatchError
+        from tasks.tracking import client
+
+        registry = client(home)
+        tags = registry.get_model_version(name, version).tags
+        drop_materialized(home, name, version)
+        registry.set_model_version_tag(name, version, "fingerprint", "0" * 64)
+        with pytest.raises(FingerprintMismatchError, match="not those registered"):
+            materialize_version(name, version, home=str(home))
+        assert not cache_dir(home, name, version).exists()
+        registry.set_model_version_tag(name, version, "fingerprint", tags["fingerprint"])
+        registry.set_model_version_tag(name, version, "parent_version", version)
+        with pytest.raises(DataError, match="loop"):
+            materialize_version(name, version, home=str(home))
+        registry.set_model_version_tag(name, version, "parent_version", tags["parent_version"])
     finally:
         shutil.move(moved / "model", result["model_dir"])
         shutil.move(moved / "edit", home / "edits" / result["edit_id"])
