@@ -180,3 +180,12 @@ def test_a_toy_benchmark_is_built_evaluated_and_unlearned_through_the_demo(harne
     assert result["mlflow"]["model_name"] == "grom-toyqa-forget"
     scored = evaluate_model(result["model_dir"], "toyqa", home=str(tmp_path / "ws"))
     assert scored["metrics"] == pytest.approx(after, rel=1e-6)
+
+
+def test_a_benchmark_names_its_target_kind_and_only_grom_gets_it():
+    from grom_core.closed_form import GromParams
+
+    wmdp, tofu = BENCHMARKS["miniwmdp"], BENCHMARKS["minitofu"]
+    assert wmdp.params_for("grom", False) == {"target": "corrupt"}  # multiple choice: corrupt, nothing tuned
+    assert GromParams.from_dict(wmdp.params_for("grom", False)).target == "corrupt"
+    assert "target" not in wmdp.params_for("npo", True) and "target" not in tofu.params_for("grom", False)

@@ -68,6 +68,10 @@ class Benchmark:
         prompt_format: how the unlearning inputs' QA pairs become text (grom_core.data.PROMPT_FORMATS).
         trainer: the gradient methods' recipe on this benchmark's model (TrainerParams fields): a pretrained model
             takes TOFU's small learning rate, a tiny one a large one.
+        grom_target: what the closed form must do on this benchmark's task (GromParams.target): "suppress" the
+            answers (QA and text), or "corrupt" the representations (multiple choice: suppressing the right
+            choice's tokens drives accuracy below chance, which gives the answer away). A property of the task,
+            not a tuned preset.
     """
 
     name: str
@@ -86,10 +90,14 @@ class Benchmark:
     pretrained: str | None = None
     prompt_format: str = "qa"
     trainer: dict = field(default_factory=dict)
+    grom_target: str = "suppress"
 
     def params_for(self, method: str, gradient: bool) -> dict:
-        """This benchmark's parameter overrides for `method`; a gradient method also gets the recipe."""
+        """This benchmark's parameter overrides for `method`; a gradient method also gets the recipe, the closed
+        form the task's target kind."""
         values = dict(self.method_params.get(method, {}))
+        if method == "grom" and self.grom_target != "suppress":
+            values.setdefault("target", self.grom_target)
         if gradient and self.trainer:
             values["trainer"] = {**self.trainer, **values.get("trainer", {})}
         return values
@@ -194,7 +202,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                           _read_muse_reference, _write_json_reference),
     "miniwmdp": Benchmark("miniwmdp", miniwmdp.MiniWmdpConfig(), miniwmdp.generate, miniwmdp.training_rows,
                           _wmdp_evaluate, {"forget": "retain"}, "forget", _wmdp_inputs, WMDP_METRICS,
-                          _no_reference, _write_json_reference),
+                          _no_reference, _write_json_reference, grom_target="corrupt"),
     "minirwku": Benchmark("minirwku", minirwku.MiniRwkuConfig(), minirwku.generate, None, _rwku_evaluate,
                           {split: "retain_corpus" for split in minirwku.TARGETS}, "forget05",
                           minirwku.unlearning_inputs, RWKU_METRICS, _read_json_metrics, _write_json_reference,
