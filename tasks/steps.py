@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from grom_core.adapter import ModelAdapter, output_head_name, weight_out_in
 from grom_core.benchmarks.registry import get_benchmark, read_split
 from grom_core.closed_form import record_influence
-from grom_core.edit import Edit
+from grom_core.edit import Edit, Undo
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.loading import load_model
@@ -63,7 +63,7 @@ def load_for_edit(model_dir: str):
 class LoadedModel:
     """A model, its tokenizer and the folder it came from, loaded once for a flow run.
 
-    Its weights change in exactly one place, `apply_and_save`, which applies the edit in place and keeps the
+    Its weights change in exactly one place, `apply` (called by the task `apply_and_save`), which keeps the
     unedited weights of the modules it touched in `base_weights` ({module: (out, in) tensor on the CPU}; the
     quantization check compares both). Before that step the model holds the folder's weights, after it the
     edited ones."""
@@ -71,9 +71,25 @@ class LoadedModel:
     def __init__(self, model_dir: str, model, tokenizer):
         self.model_dir, self.model, self.tokenizer = str(model_dir), model, tokenizer
         self.base_weights: dict = {}
+        self._fingerprint: str | None = None
 
     def fingerprint(self) -> str:
-        return weights_fingerprint(self.model)
+        """The weights fingerprint, hashed once per state: the weights change only in `apply`, which records the
+        new one (methods and the quantization attack restore every bit they touch)."""
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint(self.model)
+        return self._fingerprint
+
+    def apply(self, edit: Edit) -> Undo:
+        """Apply `edit` in place; keep the unedited weights of its modules in `base_weights` and the new
+        fingerprint."""
+        from grom_core.adapter import get_module
+
+        self.base_weights = {name: weight_out_in(get_module(self.model, name)).detach().to("cpu", copy=True)
+                             for name in edit.deltas}
+        undo = edit.apply(self.model)
+        self._fingerprint = undo.post_fingerprint
+        return undo
 
     def __repr__(self) -> str:  # what Prefect logs for a task parameter
         return f"LoadedModel({self.model_dir!r}{', edited' if self.base_weights else ''})"
@@ -174,14 +190,10 @@ def unlearn(loaded: LoadedModel, data: Ingested, method: str, params: dict, lake
 
 @task(name="apply-and-save", cache_policy=NO_CACHE)
 def apply_and_save(loaded: LoadedModel, unlearned: Unlearned, models_root: str) -> Edited:
-    """Apply the edit to the loaded model in place (the unedited weights of its modules kept in
-    `loaded.base_weights`) and save the result (safetensors) with its tokenizer, and the undo beside the edit."""
-    from grom_core.adapter import get_module
-
+    """Apply the edit to the loaded model in place (`LoadedModel.apply`) and save the result (safetensors) with
+    its tokenizer, and the undo beside the edit."""
     edit = Edit.load(unlearned.edit_dir)
-    loaded.base_weights = {name: weight_out_in(get_module(loaded.model, name)).detach().to("cpu", copy=True)
-                           for name in edit.deltas}
-    undo = edit.apply(loaded.model)
+    undo = loaded.apply(edit)
     undo.save(Path(unlearned.edit_dir) / "undo.safetensors")
     out = save_model(loaded.model, loaded.tokenizer, Path(models_root) / f"edited-{edit.edit_id}")
     return Edited(model_dir=str(out), fingerprint=undo.post_fingerprint)
