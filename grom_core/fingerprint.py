@@ -34,11 +34,12 @@ def weights_fingerprint(model: torch.nn.Module, threads: int | None = None) -> s
     names = sorted(state)
     storage = {name: (state[name].data_ptr(), state[name].dtype, tuple(state[name].shape),
                       tuple(state[name].stride()), state[name].device) for name in names}
-    unique = list(dict.fromkeys(storage.values()))  # tied tensors share one storage key
-    first = {key: next(n for n in names if storage[n] == key) for key in unique}
-    workers = max(1, min(threads or 8, os.cpu_count() or 1, len(unique)))
+    first: dict[tuple, str] = {}  # tied tensors share one storage key: hashed under the first of their names
+    for name in names:
+        first.setdefault(storage[name], name)
+    workers = max(1, min(threads or 8, os.cpu_count() or 1, len(first)))
     with ThreadPoolExecutor(workers) as pool:
-        digests = dict(zip(unique, pool.map(lambda key: _tensor_digest(state[first[key]]), unique), strict=True))
+        digests = dict(zip(first, pool.map(lambda key: _tensor_digest(state[first[key]]), first), strict=True))
     digest = hashlib.sha256()
     for name in names:
         tensor = state[name]

@@ -28,16 +28,26 @@ log = logging.getLogger(__name__)
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _blocks(weight: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
+    """W [out, in] as float32 blocks [out, ceil(in / block), block] along the inputs, the last one padded with
+    `fill`."""
+    out_dim, in_dim = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, (-in_dim) % block), value=fill)
+    return padded.reshape(out_dim, -1, block)
+
+
+def _unblocked(blocks: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Blocks back to `like`'s [out, in] shape and dtype, the padding dropped."""
+    out_dim, in_dim = like.shape
+    return blocks.reshape(out_dim, -1)[:, :in_dim].to(like.dtype)
+
+
 def rtn4(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest 4-bit, scale absmax / 7 per group of `group` inputs; (dequantized, codes)."""
-    w = weight.float()
-    out_dim, in_dim = w.shape
-    pad = (-in_dim) % group
-    padded = torch.nn.functional.pad(w, (0, pad)).reshape(out_dim, -1, group)
+    padded = _blocks(weight, group)
     scale = padded.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7
     codes = torch.clamp(torch.round(padded / scale), -8, 7)
-    deq = (codes * scale).reshape(out_dim, -1)[:, :in_dim]
-    return deq.to(weight.dtype), codes.reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+    return _unblocked(codes * scale, weight), _unblocked(codes, weight).to(torch.int8)
 
 
 def gguf_q4_1(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,32 +55,25 @@ def gguf_q4_1(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torc
     q = floor((w - min) / d + 1/2) clamped to 0..15 with d = (max - min) / 15, and w' = q d + min with d and min
     stored as float16; (dequantized, codes). A model read from a Q4_1 GGUF file (SmolLM2 here) lies on this grid,
     so the round trip gives its weights back and erases whatever an edit moved by less than d / 2."""
-    w = weight.float()
-    out_dim, in_dim = w.shape
-    pad = (-in_dim) % block
-    padded = torch.nn.functional.pad(w, (0, pad), value=float("nan")).reshape(out_dim, -1, block)
+    padded = _blocks(weight, block, fill=float("nan"))  # the padding must not set a block's min or max
     low = torch.nan_to_num(padded, nan=float("inf")).amin(dim=-1, keepdim=True)
     high = torch.nan_to_num(padded, nan=float("-inf")).amax(dim=-1, keepdim=True)
     d = (high - low) / 15
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     codes = torch.clamp(torch.floor((padded - low) * inverse + 0.5), 0, 15)
     deq = codes * d.half().float() + low.half().float()
-    deq = deq.reshape(out_dim, -1)[:, :in_dim]
-    return deq.to(weight.dtype), torch.nan_to_num(codes, nan=0).reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+    return _unblocked(deq, weight), _unblocked(torch.nan_to_num(codes, nan=0), weight).to(torch.int8)
 
 
 def gguf_q8_0(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """llama.cpp's Q8_0: blocks of 32 inputs, codes round(w / d) with d = absmax / 127 stored as float16, w' = q d;
     (dequantized, codes). What a Q4_1 file keeps its token embedding (SmolLM2's tied output matrix) in."""
-    w = weight.float()
-    out_dim, in_dim = w.shape
-    padded = torch.nn.functional.pad(w, (0, (-in_dim) % block)).reshape(out_dim, -1, block)
+    padded = _blocks(weight, block)
     d = padded.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     scaled = padded * inverse
     codes = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)  # ggml's roundf: halves away from zero
-    deq = (codes * d.half().float()).reshape(out_dim, -1)[:, :in_dim]
-    return deq.to(weight.dtype), codes.reshape(out_dim, -1)[:, :in_dim].to(torch.int8)
+    return _unblocked(codes * d.half().float(), weight), _unblocked(codes, weight).to(torch.int8)
 
 
 def int8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
