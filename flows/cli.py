@@ -221,6 +221,8 @@ def bench(
     epochs: Annotated[int | None, typer.Option(min=1, help="Epochs of the gradient methods (default: the "
                                                           "benchmark's recipe, TOFU's 10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
+    ablation: Annotated[bool, typer.Option(help="Instead of the methods: the closed form's design choices, one "
+                                                "row each (flows/ablation.py).")] = False,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -228,6 +230,9 @@ def bench(
     from flows.bench import run_bench
 
     setup_logging(True)
+    if ablation:
+        _ablation_table(home, benchmark, split, authors, as_json)
+        return
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
                        tuple(q.strip() for q in quantizers.split(",") if q.strip()),
                        {"epochs": epochs} if epochs else None, authors=authors)
@@ -247,6 +252,23 @@ def bench(
     t = result["throughput"]
     table.caption = (f"floor (one forward pass over forget and retain data) {result['floor_seconds']:.2f} s; key "
                      f"extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: {result['plot']}")
+    emit(result, as_json, table)
+
+
+def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool) -> None:
+    from flows.ablation import run_ablation
+
+    result = run_ablation(home, benchmark, split, authors=authors)
+    columns = result["columns"][:4]  # the headline metrics; --json has them all
+    table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
+    for column in ("row", "seconds", "layers", "logit drop asked / got", *columns):
+        table.add_column(column)
+    table.add_row("unedited", "", "", "", *[fmt(result["before"].get(k)) for k in columns])
+    for row in result["rows"]:
+        drop = row["logit_drop"] or {}
+        drops = f"{drop['asked_mean']:.3g} / {drop['achieved_mean']:.3g}" if drop else ""
+        table.add_row(row["name"], f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops,
+                      *[fmt(row["metrics"].get(k)) for k in columns])
     emit(result, as_json, table)
 
 

@@ -34,3 +34,31 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
 
     parent = MlflowClient().get_run(result["mlflow"]["run_id"])
     assert parent.data.params["benchmark"] == "minitofu"
+
+
+def test_ablation_rows_change_one_thing_each(small_workspace):
+    from flows.ablation import ABLATIONS, run_ablation
+    from grom_core.closed_form import GromParams
+
+    tmp_path = small_workspace / "ws"
+    result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "beta x2"),
+                          authors=10)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["benchmark parameters", "library defaults", "beta x2"]
+    assert rows["library defaults"]["params"] == GromParams(influence=False).to_dict()
+    assert rows["beta x2"]["params"]["beta"] == 2 * rows["benchmark parameters"]["params"]["beta"]
+    for row in rows.values():
+        assert set(result["columns"]) <= set(row["metrics"]) and row["seconds"] > 0 and row["layers"]
+    # twice the drop asked for forgets at least as much as the parameters it doubles
+    assert (rows["beta x2"]["metrics"]["forget_probability"]
+            <= rows["benchmark parameters"]["metrics"]["forget_probability"])
+    assert len({r.name for r in ABLATIONS}) == len(ABLATIONS)
+
+
+def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
+    from flows.ablation import run_ablation
+    from grom_core.errors import DataError
+
+    with pytest.raises(DataError, match="no ablation row named 'bogus'"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, ("bogus",), authors=10)
+    assert not (tmp_path / "ws").exists()

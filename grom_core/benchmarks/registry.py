@@ -189,11 +189,7 @@ WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", r
 BENCHMARKS: dict[str, Benchmark] = {
     "minitofu": Benchmark("minitofu", minitofu.MiniTofuConfig(), minitofu.generate, minitofu.training_rows,
                           minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs, TOFU_METRICS,
-                          _read_tofu_reference, _write_tofu_reference,
-                          # minitofu's facts are shared between authors, so token specificity is low: suppress
-                          # every answer token in proportion to it, and ask for a larger drop (measured: forget
-                          # ROUGE-L 1.0 -> 0.38, retain probability -9%, Forget Quality 4e-4 -> 7e-4)
-                          method_params={"grom": {"sharpness": 1.0, "threshold": 0.0, "beta": 80.0}}),
+                          _read_tofu_reference, _write_tofu_reference),
     "tofu": Benchmark("tofu", None, None, None, minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10",
                       _tofu_inputs, TOFU_METRICS, _read_tofu_reference, _write_tofu_reference,
                       load_files=minitofu.tofu_splits_from_files),

@@ -1,0 +1,106 @@
+"""`grom bench --ablation`: the closed form's design choices, one row each, on one benchmark in one process.
+
+Every row starts from the parameters `grom bench` gives the closed form on that benchmark (its `params_for`) and
+changes one thing; the row "library defaults" is GromParams() with only the benchmark's target kind, which is what
+issue 13's "one default" asks of every benchmark. The retain statistics are computed once and shared by every row
+that edits the same modules on the same data (a memory store): the first row that needs a module's statistics
+pays for their pass, the others time their forget passes and solves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flows.evaluation import build_benchmark, reference_path, sized_config
+from flows.workspace import Workspace
+from grom_core.benchmarks.registry import get_benchmark
+from grom_core.closed_form import GromParams, run_grom
+from grom_core.errors import DataError
+from grom_core.profiling import measure
+from grom_core.statistics import MemoryStatsStore
+from tasks.records import EvaluationSpec
+from tasks.steps import evaluate_loaded, load_for_edit
+
+log = logging.getLogger("grom.ablation")
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One row: a name, why it is there, and the change it makes to the benchmark's parameters."""
+
+    name: str
+    why: str
+    change: Callable[[GromParams], dict]
+    targets: tuple[str, ...] = ("suppress", "corrupt")  # the target kinds the row applies to
+
+
+ABLATIONS: tuple[Ablation, ...] = (
+    Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p: {}),
+    Ablation("library defaults", "GromParams() with the benchmark's target kind: the one default", lambda p: None),
+    Ablation("beta x0.5", "half the logit drop asked for", lambda p: {"beta": p.beta / 2}, ("suppress",)),
+    Ablation("beta x2", "twice the logit drop asked for", lambda p: {"beta": p.beta * 2}, ("suppress",)),
+    Ablation("every answer token", "specificity a(y) without sharpening or threshold",
+             lambda p: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",)),
+    Ablation("specific tokens only", "specificity sharpened (2) and thresholded (0.5)",
+             lambda p: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",)),
+    Ablation("word starts only", "pieces inside a word are not suppressed", lambda p: {"word_starts_only": True},
+             ("suppress",)),
+    Ablation("no LM head", "down-projections only", lambda p: {"edit_lm_head": False}, ("suppress",)),
+    Ablation("parallel solve", "every module from the original keys, an equal share each",
+             lambda p: {"strategy": "parallel"}),
+    Ablation("weak retain constraint", "w_retain 1 instead of the parameters' value", lambda p: {"w_retain": 1.0}),
+    Ablation("ridge x100", "a hundred times the relative ridge", lambda p: {"relative_ridge": p.relative_ridge * 100}),
+    Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
+             lambda p: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
+)
+
+
+def ablation_params(base: GromParams, row: Ablation, target: str) -> GromParams:
+    """The row's parameters: its change over `base`, or (change None) the library defaults with `target`."""
+    changes = row.change(base)
+    if changes is None:
+        return GromParams(target=target, influence=False)
+    return base.replace(**changes)
+
+
+def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
+                 rows: tuple[str, ...] | None = None, authors: int | None = None) -> dict:
+    """Evaluate every ablation row (or those named in `rows`) on the benchmark's target model.
+
+    Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "before" (the unedited model's
+    metrics), "rows": [{"name", "why", "params", "seconds", "layers", "forget_positions", "logit_drop",
+    "metrics"}]}.
+    """
+    bench = get_benchmark(benchmark)
+    chosen = [r for r in ABLATIONS if rows is None or r.name in rows]
+    unknown = sorted(set(rows or ()) - {r.name for r in ABLATIONS})
+    if unknown:
+        raise DataError(f"no ablation row named {', '.join(map(repr, unknown))}; rows: "
+                        f"{', '.join(r.name for r in ABLATIONS)}")
+    base = GromParams.from_dict({**bench.params_for("grom", False), "influence": False})
+    ws = Workspace.resolve(home)
+    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors))
+    forget, retain = built.unlearning_inputs()
+    spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
+                          splits={k: str(v) for k, v in built.splits.items()})
+    model, tokenizer = load_for_edit(str(built.models["target"]))
+    before = evaluate_loaded(model, tokenizer, spec)
+    store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
+    out = []
+    for i, row in enumerate(r for r in chosen if base.target in r.targets):
+        params = ablation_params(base, row, base.target)
+        with measure() as cost:
+            run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
+                           prompt_format=bench.prompt_format)
+        with run.edit.applied(model):
+            metrics = evaluate_loaded(model, tokenizer, spec)
+        out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
+                    "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
+                    "logit_drop": run.edit.metadata.get("logit_drop"), "metrics": metrics})
+        log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(chosen), row.name, cost.seconds,
+                 ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
+                           if isinstance(metrics.get(k), float)))
+    return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table), "before": before,
+            "rows": out}
