@@ -3,7 +3,11 @@
 An edit passes when the forget data is forgotten (absolute ROUGE-L ceiling, relative probability drop), the retain
 data is kept (relative floors on its probability and ROUGE-L), and no quantization attack brings the forget answers
 back. Gates read the flat metric dicts of `grom_core.benchmarks.owndata.evaluate_own` (or a benchmark's metrics).
-A gate whose metric is absent (text-only data has no ROUGE-L) is not applied.
+
+Gates fail closed: a gate whose metric is missing or NaN (a model that outputs NaN, an attack that did not run) is
+a reason not to promote, so the request goes to review with it. The only gates not applied are those that do not
+exist for the data (ROUGE-L of texts, which have no question to answer: absent before the edit too) and those set
+to None (`--gates '{"max_quantized_recovery": null}'`), which switches a gate off on purpose.
 """
 
 from __future__ import annotations
@@ -25,16 +29,18 @@ class Gates:
         max_quantized_recovery: no quantization attack raises forget ROUGE-L recall by more than this.
     """
 
-    max_forget_rougeL_recall: float = 0.5
-    max_forget_probability_ratio: float = 0.5
-    min_retain_probability_ratio: float = 0.8
-    min_retain_rougeL_ratio: float = 0.9
-    max_quantized_recovery: float = 0.1
+    max_forget_rougeL_recall: float | None = 0.5
+    max_forget_probability_ratio: float | None = 0.5
+    min_retain_probability_ratio: float | None = 0.8
+    min_retain_rougeL_ratio: float | None = 0.9
+    max_quantized_recovery: float | None = 0.1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not (isinstance(value, int | float) and value == value and value >= 0):
-                raise DataError(f"gate {name} must be a non-negative number, got {value!r}")
+            if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                          and value == value and value >= 0):
+                raise DataError(f"gate {name} must be a non-negative number (or null to switch it off), "
+                                f"got {value!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> Gates:
@@ -44,27 +50,71 @@ class Gates:
         return cls(**values)
 
     def check(self, before: dict, after: dict, quantized: dict | None = None) -> list[str]:
-        """The reasons the edit fails, one line each; an empty list means it passes."""
-        reasons = []
-        rouge = after.get("forget_rougeL_recall")
-        if _number(rouge) and rouge > self.max_forget_rougeL_recall:
-            reasons.append(f"forget ROUGE-L recall {rouge:.3f} > {self.max_forget_rougeL_recall}")
+        """The reasons the edit fails, one line each; an empty list means it passes.
+
+        Args:
+            before, after: flat metrics of the model in service and of the edited model, on the same data.
+            quantized: attack name -> metrics of the edited model after that attack, with
+                `recovery_<forget metric>`; a key starting with "_" is a note (why an attack did not run).
+        """
+        reasons: list[str] = []
+        qa = "forget_rougeL_recall" in before  # texts have no ROUGE-L, before the edit or after it
+        if self.max_forget_rougeL_recall is not None and qa:
+            rouge = after.get("forget_rougeL_recall")
+            if not _number(rouge):
+                reasons.append(_unmeasured("forget ROUGE-L", "forget_rougeL_recall", rouge))
+            elif rouge > self.max_forget_rougeL_recall:
+                reasons.append(f"forget ROUGE-L recall {rouge:.3f} > {self.max_forget_rougeL_recall}")
         for key, bound, kind in (("forget_probability", self.max_forget_probability_ratio, "max"),
                                  ("retain_probability", self.min_retain_probability_ratio, "min"),
                                  ("retain_rougeL_recall", self.min_retain_rougeL_ratio, "min")):
-            if not (_number(before.get(key)) and _number(after.get(key)) and before[key] > 0):
+            if bound is None or (key.endswith("rougeL_recall") and not qa):
                 continue
-            ratio = after[key] / before[key]
+            was, now = before.get(key), after.get(key)
+            if not (_number(was) and was > 0):
+                reasons.append(_unmeasured(key.replace("_", " "), key, was, "before the edit"))
+                continue
+            if not _number(now):
+                reasons.append(_unmeasured(key.replace("_", " "), key, now))
+                continue
+            ratio = now / was
             if (kind == "max" and ratio > bound) or (kind == "min" and ratio < bound):
                 sign = ">" if kind == "max" else "<"
                 reasons.append(f"{key.replace('_', ' ')} kept {ratio:.3f} of its value {sign} {bound}")
-        for attack, metrics in (quantized or {}).items():
-            recovery = metrics.get("recovery_forget_rougeL_recall") if isinstance(metrics, dict) else None
-            if _number(recovery) and recovery > self.max_quantized_recovery:
-                reasons.append(f"{attack} quantization recovers forget ROUGE-L by {recovery:+.3f} "
+        if self.max_quantized_recovery is not None:
+            reasons += self._quantization_reasons(quantized or {}, "forget_rougeL_recall" if qa
+                                                  else "forget_probability")
+        return reasons
+
+    def _quantization_reasons(self, quantized: dict, metric: str) -> list[str]:
+        attacks = {k: v for k, v in quantized.items() if not k.startswith("_")}
+        if not attacks:
+            note = "; ".join(str(v) for k, v in quantized.items() if k.startswith("_"))
+            return [f"quantization gate not measured: no attack ran{f' ({note})' if note else ''}; run one (the "
+                    f"service's evaluation 'quantizers') or switch the gate off with max_quantized_recovery null"]
+        reasons = []
+        for attack, metrics in attacks.items():
+            recovery = metrics.get(f"recovery_{metric}") if isinstance(metrics, dict) else None
+            if not _number(recovery):
+                reasons.append(_unmeasured(f"{attack} quantization recovery", f"recovery_{metric}", recovery))
+            elif recovery > self.max_quantized_recovery:
+                reasons.append(f"{attack} quantization recovers {metric.replace('_', ' ')} by {recovery:+.3f} "
                                f"> {self.max_quantized_recovery}")
         return reasons
 
 
 def _number(value) -> bool:
-    return isinstance(value, int | float) and value == value
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+
+def _unmeasured(gate: str, key: str, value, when: str = "after the edit") -> str:
+    if value is None:
+        what = "missing"
+    elif isinstance(value, float) and value != value:
+        what = "NaN"
+    elif _number(value):
+        what = f"{value!r} (nothing to compare with)"
+    else:
+        what = f"{value!r} (not a number)"
+    return f"{gate} gate not measured: {key} is {what} {when}"

@@ -1,0 +1,69 @@
+"""Promotion gates fail closed: a gate that cannot be measured is a reason, never a pass."""
+
+import math
+
+import pytest
+
+from grom_core.errors import DataError
+from grom_core.gates import Gates
+
+BEFORE = {"forget_probability": 0.9, "retain_probability": 0.8, "forget_rougeL_recall": 1.0,
+          "retain_rougeL_recall": 1.0}
+AFTER = {"forget_probability": 0.1, "retain_probability": 0.79, "forget_rougeL_recall": 0.2,
+         "retain_rougeL_recall": 0.98}
+ATTACKED = {"rtn4": {"recovery_forget_rougeL_recall": 0.02}}
+
+
+def test_a_good_edit_passes_and_each_threshold_names_itself():
+    assert Gates().check(BEFORE, AFTER, ATTACKED) == []
+    reasons = Gates(max_forget_rougeL_recall=0.1, min_retain_probability_ratio=0.999).check(BEFORE, AFTER, ATTACKED)
+    assert reasons == ["forget ROUGE-L recall 0.200 > 0.1", "retain probability kept 0.988 of its value < 0.999"]
+    recovered = {"rtn4": {"recovery_forget_rougeL_recall": 0.5}}
+    assert Gates().check(BEFORE, AFTER, recovered) == [
+        "rtn4 quantization recovers forget rougeL recall by +0.500 > 0.1"]
+
+
+@pytest.mark.parametrize("key", sorted(AFTER))
+@pytest.mark.parametrize("bad", [math.nan, None, "0.1"])
+def test_a_metric_that_is_nan_or_missing_after_the_edit_fails_its_gate(key, bad):
+    after = {**AFTER, key: bad} if bad is not None else {k: v for k, v in AFTER.items() if k != key}
+    reasons = Gates().check(BEFORE, after, ATTACKED)
+    assert len(reasons) == 1 and f"{key} is" in reasons[0] and "not measured" in reasons[0]
+
+
+def test_a_model_with_nan_everywhere_is_never_promoted():
+    nan = {k: math.nan for k in AFTER}
+    attacked = {"rtn4": {"recovery_forget_rougeL_recall": math.nan}}
+    assert len(Gates().check(BEFORE, nan, attacked)) == 5
+
+
+def test_an_unmeasurable_reference_fails_too():
+    reasons = Gates().check({**BEFORE, "retain_probability": 0.0}, AFTER, ATTACKED)
+    assert reasons == ["retain probability gate not measured: retain_probability is 0.0 (nothing to compare with) "
+                       "before the edit"]
+
+
+def test_the_quantization_gate_fails_when_no_attack_ran_and_says_why():
+    for quantized in (None, {}, {"_note": "not run (bitsandbytes unavailable): fp4, nf4"}):
+        reasons = Gates().check(BEFORE, AFTER, quantized)
+        assert len(reasons) == 1 and "no attack ran" in reasons[0]
+    assert "bitsandbytes unavailable" in Gates().check(BEFORE, AFTER, {"_note": "not run (bitsandbytes "
+                                                                                 "unavailable): fp4"})[0]
+    assert "recovery_forget_rougeL_recall is missing" in Gates().check(BEFORE, AFTER, {"rtn4": {}})[0]
+
+
+def test_switched_off_gates_and_texts_without_rouge():
+    assert Gates(max_quantized_recovery=None).check(BEFORE, AFTER, None) == []
+    texts_before = {"forget_probability": 0.9, "retain_probability": 0.8}
+    texts_after = {"forget_probability": 0.1, "retain_probability": 0.79}
+    # texts have no ROUGE-L before the edit either: those gates do not apply; the attack is judged on probability
+    assert Gates().check(texts_before, texts_after, {"rtn4": {"recovery_forget_probability": 0.01}}) == []
+    assert "recovery_forget_probability is missing" in Gates().check(texts_before, texts_after, ATTACKED)[0]
+
+
+@pytest.mark.parametrize("values", [{"max_quantized_recovery": -1}, {"min_retain_rougeL_ratio": "high"},
+                                    {"max_forget_probability_ratio": math.nan}, {"max_forget_rougeL_recall": True},
+                                    {"max_forget_rouge": 0.4}])
+def test_bad_thresholds_are_refused_by_name(values):
+    with pytest.raises(DataError, match="gate|unknown gates"):
+        Gates.from_dict(values)
