@@ -71,6 +71,32 @@ def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True, 
     return {**report, "report": {"markdown": str(md_path), "json": str(json_path)}}
 
 
+def redact_audits(root: Path, catalog: Catalog, shas: set[str], log_to_mlflow: bool = True) -> int:
+    """Remove the text of purged examples (`shas`) from every audit written before the purge (its JSON, its
+    Markdown and their copies in the MLflow run); returns the number of audits rewritten."""
+    purged_requests = {r["request_id"] for r in catalog.query("SELECT request_id FROM requests WHERE purged")}
+    rewritten = 0
+    for json_path in sorted((root / "audits").glob("*.json")):
+        report = json.loads(json_path.read_text())
+        items = [e for e in report.get("influence", []) if e.get("sha256") in shas and not e.get("purged")]
+        requests = [r for r in report.get("requests", []) if r["request_id"] in purged_requests and not r["purged"]]
+        if not items and not requests:
+            continue
+        for item in items:
+            item["text"], item["purged"] = None, True
+        for request in requests:
+            request["purged"] = True
+        md_path = json_path.with_suffix(".md")
+        json_path.write_text(json.dumps(report, indent=1, default=str))
+        md_path.write_text(markdown(report))
+        if log_to_mlflow and report.get("mlflow_run_id"):
+            mlflow_client = client(root)
+            for path in (json_path, md_path):  # the same artifact path: the copy is replaced
+                mlflow_client.log_artifact(report["mlflow_run_id"], str(path), artifact_path="audit")
+        rewritten += 1
+    return rewritten
+
+
 def _edit_of(catalog: Catalog, identifier: str) -> str:
     if identifier.isdigit():
         request = get_request(catalog, int(identifier))

@@ -9,6 +9,7 @@ the dead run's claims back, so a request is applied exactly once, by the version
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.transactions import transaction
 
+from flows.audit import redact_audits
 from flows.unlearn import commit, compute, register_outcome, run_timings
 from flows.workspace import Workspace
 from grom_core.errors import DataError, FingerprintMismatchError
@@ -27,7 +29,7 @@ from grom_core.profiling import Timings
 from tasks import requests as queue
 from tasks import steps
 from tasks.catalog import Catalog, now
-from tasks.lake import purge_forget_text
+from tasks.purge import PurgeReport, purge_workspace, purged_shas
 from tasks.tracking import client, get_version, serving_version, set_serving, versions
 from tasks.versions import version_model_dir
 
@@ -112,14 +114,24 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
                                                              "thresholds": service.gates},
                                                    "parent_version": parent, "request_ids": ids})
         commit(ws, rows, also=answer)
-    if promoted and purge:
-        purge_forget_text(Path(outcome.ingested.forget.path), edit_id, ws.root / "lake")
+    swept = purge_traces(ws, catalog) if promoted and purge else None
     log.info("requests %s -> %s version %s (%s)%s", ids, name, registration.version,
              "promoted" if promoted else "not promoted", f": {'; '.join(reasons)}" if reasons else "")
     return {"processed": ids, "version": registration.version, "promoted": promoted, "reasons": reasons,
             "status": status, "parent_version": parent, "edit_id": edit_id, "model_name": name,
-            "metrics": outcome.metrics(), "purged_examples": purged, "model_dir": outcome.edited.model_dir,
+            "metrics": outcome.metrics(), "purged_examples": purged,
+            "purge": dataclasses.asdict(swept) if swept else None, "model_dir": outcome.edited.model_dir,
             "seconds": timings.total()}
+
+
+def purge_traces(ws: Workspace, catalog: Catalog) -> PurgeReport:
+    """Every copy of the purged examples' text, whichever run wrote it: the lake, leftover batch files, audits and
+    their MLflow copies, and the catalog file's free pages (see tasks.purge)."""
+    shas = purged_shas(catalog)
+    audits = redact_audits(ws.root, catalog, shas)
+    report = purge_workspace(ws.root, catalog, shas)
+    log.info("purge: %d audits redacted", audits)
+    return report
 
 
 def check_version_weights(root: Path, name: str, version: str, loaded: steps.LoadedModel) -> None:

@@ -142,7 +142,7 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
     """Put a version that failed its gates in service after human review, and mark its requests done."""
     import getpass
 
-    from tasks.lake import dataset_path, purge_forget_text
+    from flows.requests import purge_traces
 
     ws = Workspace.resolve(home)
     catalog = _catalog(ws)
@@ -157,8 +157,6 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
         raise DataError(f"version {version} of '{name}' was not computed from the version in service ({serving}); "
                         f"promoting it would drop what happened since: queue its requests again with "
                         f"`grom request requeue ID`")
-    runs = catalog.query("SELECT forget_digest, edit_id FROM runs WHERE model_name = ? AND model_version = ?",
-                         [name, str(version)])
     with transaction():  # a failed catalog commit moves the alias back
         set_serving(ws.root, name, str(version))
         with catalog.transaction() as con:
@@ -167,10 +165,8 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
                 raise DataError(f"version {version} of '{name}' answers no request in review; nothing to promote")
             if purge:
                 queue.purge_text(con, approved)
-    if purge and runs and runs[0]["forget_digest"]:
-        dataset = dataset_path(ws.root / "lake", "forget", runs[0]["forget_digest"])
-        if dataset.is_file():
-            purge_forget_text(dataset, runs[0]["edit_id"], ws.root / "lake")
+    if purge:
+        purge_traces(ws, catalog)
     log.info("version %s of %s promoted after review; requests %s done", version, name, approved)
     return {"version": str(version), "previous": parent, "done": approved, "model_name": name}
 

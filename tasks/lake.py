@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 
 from grom_core.closed_form import SolveRecord
 from grom_core.statistics import GramStats
-from tasks.records import TEXT_COLUMNS
 
 
 def safe_name(text: str) -> str:
@@ -124,15 +123,3 @@ def load_records(path: Path) -> dict[str, SolveRecord]:
                                   ridge=info["ridge"], retain_count=info["retain_count"],
                                   w_forget=info["w_forget"], w_retain=info["w_retain"])
                 for name, info in meta.items()}
-
-
-def purge_forget_text(dataset_path: Path, edit_id: str, root: Path) -> None:
-    """Drop the raw forget text from the lake once its request is answered: the ingested dataset keeps only its
-    sha256 column, and the key shards lose their gold token ids (which spell the answers); keys stay."""
-    table = pq.read_table(dataset_path)
-    kept = [c for c in table.column_names if c not in TEXT_COLUMNS]
-    atomic_parquet(table.select(kept), dataset_path)
-    for shard in (root / "keys" / edit_id).glob("*.parquet"):
-        keys = pq.read_table(shard)
-        if "token_id" in keys.column_names:
-            atomic_parquet(keys.drop_columns(["token_id"]), shard)
