@@ -25,6 +25,9 @@ class Workspace:
         except OSError as exc:
             raise GromError(f"workspace {root} is not writable ({exc.strerror}); pass --home DIR or set GROM_HOME "
                             f"to a writable folder") from exc
+        from tasks.relocation import relocate
+
+        relocate(root)  # a copied or moved workspace never reads or writes into the one it came from
         return cls(root)
 
     @property

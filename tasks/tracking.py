@@ -37,6 +37,14 @@ def configure(root: Path) -> str:
     import mlflow
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
+    if mlflow.get_tracking_uri() != uri:
+        # MLflow keeps each run's artifact store in a process-wide cache keyed by run id; a copied workspace has
+        # the same run ids at other locations, so a process that used another workspace must not reuse them
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        cache = getattr(tracking_utils, "_artifact_repos_cache", None)
+        if cache is not None:
+            cache.clear()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     if mlflow.get_experiment_by_name(EXPERIMENT) is None:

@@ -149,6 +149,21 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
     assert grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home",
                      str(home))["request_id"] == 3
 
+    # a copied workspace works on its own: it reads its own artifacts and never writes into the original
+    copy = tmp_path / "copied"
+    shutil.copytree(home, copy)
+    shutil.rmtree(home / "cache")  # the original's materialised versions must not be what the copy reads
+
+    def snapshot(root):
+        return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+    original = snapshot(home)
+    audited = grom_json(capsys, monkeypatch, "audit", "2", "--home", str(copy))
+    rebuilt = grom_json(capsys, monkeypatch, "model", "materialize", "svc", "2", "--home", str(copy))
+    assert Path(rebuilt["model_dir"]).is_relative_to(copy) and Path(audited["report"]["json"]).is_relative_to(copy)
+    assert client(copy).get_run(audited["mlflow_run_id"]).info.artifact_uri.startswith(copy.as_uri() + "/")
+    assert snapshot(home) == original
+
 
 def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
     home = tmp_path / "ws"
