@@ -3,19 +3,15 @@ unlearn` (the flow on the user's own model and data), with the checks that run b
 
 from __future__ import annotations
 
-import json
 import logging
 
 from flows.evaluation import build_benchmark, reference_path, sized_config
+from flows.preflight import preflight
 from flows.runtime import prefect_environment
 from flows.workspace import Workspace
-from grom_core.adapter import FAMILIES, HAND_NAMING_HINT
 from grom_core.benchmarks.registry import check_split, get_benchmark
 from grom_core.data import prompt_format as grom_prompt_format
-from grom_core.errors import DataError, UnsupportedArchitectureError
-from grom_core.loading import check_model_dir
 from grom_core.methods import DEFAULT_METHOD, get_method, method_params
-from tasks.datafiles import read_examples
 from tasks.records import EvaluationSpec
 
 log = logging.getLogger("grom.demo")
@@ -56,30 +52,10 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
     if model_name is not None:
         check_model_name(model_name)
     model = resolve_model(ws.root, model)
-    preflight(model, forget, retain, params or {})
+    preflight(model, forget, retain, method, params)
     with prefect_environment(ws):
         from flows.unlearn import unlearn
 
         return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), method=method,
                        params=params, model_name=model_name, workers=workers, dask_address=dask_address,
                        quantization=quantization, prompt_format=prompt_format)
-
-
-def preflight(model: str, forget: str, retain: str, params: dict) -> None:
-    """Check what can be checked before a flow starts, so a mistake costs one line and changes nothing."""
-    path = check_model_dir(model)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise DataError(f"{path} has no config.json; it is not a Hugging Face model directory")
-    config = json.loads(config_file.read_text())
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        known = ", ".join(sorted(FAMILIES))
-        raise UnsupportedArchitectureError(f"unknown architecture '{model_type}' (known: {known}); from Python, "
-                                           f"{HAND_NAMING_HINT}")
-    n_layers = config.get("num_hidden_layers", config.get("n_layer"))
-    bad = [layer for layer in params.get("layers") or [] if not (n_layers and 0 <= layer < n_layers)]
-    if bad:
-        raise DataError(f"layers {bad} do not exist; the model has layers 0..{(n_layers or 1) - 1}")
-    read_examples(forget)
-    read_examples(retain)

@@ -22,7 +22,7 @@ from grom_core.errors import DataError, FingerprintMismatchError
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.gates import Gates
 from grom_core.loading import check_model_dir
-from grom_core.methods import DEFAULT_METHOD, method_params
+from grom_core.methods import DEFAULT_METHOD
 from tasks import requests as queue
 from tasks.catalog import Catalog, now, record_run
 from tasks.datafiles import read_examples
@@ -50,10 +50,9 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     the registered model has no version in service yet, the `serving` alias points at the new version.
     """
     ws = Workspace.resolve(home)
-    from flows.demo import preflight
+    from flows.preflight import preflight
 
-    preflight(model, retain, retain, params or {})
-    params = method_params(DEFAULT_METHOD, params).to_dict()
+    params = preflight(model, None, retain, DEFAULT_METHOD, params).to_dict()
     prompt_format = data_prompt_format(prompt_format).name
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}

@@ -91,7 +91,19 @@ def check_layout(rows: list[dict], layout: str, path: str | Path = "data") -> st
 
 
 def _filled(row: dict, column: str) -> bool:
-    return row.get(column) is not None and row[column] != ""
+    value = row.get(column)
+    return value is not None and not (isinstance(value, str) and not value.strip())
+
+
+def _string(path, number: int, row: dict, column: str) -> str:
+    """The cell as text, or an error: a number, a list or an object is not silently turned into its repr."""
+    value = row[column]
+    if isinstance(value, str):
+        return value
+    hint = (" (a column-oriented file? give one object per row: {\"question\": ..., \"answer\": ...})"
+            if isinstance(value, list) else "")
+    raise DataError(f"{path}: row {number}: '{column}' is {type(value).__name__} {str(value)[:40]!r}, not text; "
+                    f"every question, answer and text must be a string{hint}")
 
 
 def read_examples(path: str | Path) -> list[dict]:
@@ -103,9 +115,9 @@ def read_examples(path: str | Path) -> list[dict]:
     examples = []
     for number, row in enumerate(rows, start=1):
         if _filled(row, "question") and _filled(row, "answer"):
-            examples.append({"question": str(row["question"]), "answer": str(row["answer"])})
+            examples.append({c: _string(path, number, row, c) for c in ("question", "answer")})
         elif _filled(row, "text"):
-            examples.append({"text": str(row["text"])})
+            examples.append({"text": _string(path, number, row, "text")})
         else:
             raise DataError(f"{path}: with columns {sorted(row)}, row {number} has no value for ['question', "
                             f"'answer'] nor for ['text']; every row needs a question and an answer, or a text")
