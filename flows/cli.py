@@ -21,7 +21,7 @@ from flows.console import (
     setup_logging,
 )
 from flows.formatting import fmt
-from flows.runtime import configure_process
+from flows.runtime import configure_process, stop_on_sigterm
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
 
@@ -278,6 +278,7 @@ service_cli.add_commands(app)  # model, request, audit, revert, serve
 def main() -> None:
     """Entry point: user mistakes become one line on stderr and exit code 2, never a traceback."""
     configure_process()
+    stop_on_sigterm()
     try:
         app()
     except GromError as exc:

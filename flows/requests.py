@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from prefect import flow
 from prefect.transactions import transaction
 
 from flows.audit import redact_audits
+from flows.reconcile import reconcile
 from flows.unlearn import commit, compute, register_outcome, run_timings
 from flows.workspace import Workspace
 from grom_core.errors import DataError, FingerprintMismatchError
@@ -30,7 +30,7 @@ from tasks import requests as queue
 from tasks import steps
 from tasks.catalog import Catalog, now
 from tasks.purge import PurgeReport, purge_workspace, purged_shas
-from tasks.tracking import client, get_version, serving_version, set_serving, versions
+from tasks.tracking import get_version, serving_version, set_serving
 from tasks.versions import version_model_dir
 
 log = logging.getLogger("grom.requests")
@@ -141,26 +141,3 @@ def check_version_weights(root: Path, name: str, version: str, loaded: steps.Loa
         raise FingerprintMismatchError(f"the weights in {loaded.model_dir} are not those registered as version "
                                        f"{version} of '{name}'; restore the folder (or delete it: the version is "
                                        f"materialised from the registry then) or register the model again")
-
-
-def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float) -> list[str]:
-    """Delete the versions of `name` that a dead grom run registered but never committed to the catalog (moving
-    the alias back to their parent first). Versions registered by other tools (no `grom.kind` tag) are left alone,
-    and so are those of a run that may still be going (its owner alive and younger than `stale_after_s`)."""
-    recorded = {r["mlflow_run_id"] for r in catalog.query("SELECT mlflow_run_id FROM runs WHERE model_name = ?",
-                                                          [name])}
-    removed = []
-    for version in versions(root, name):
-        tags = version.tags
-        if "grom.kind" not in tags or version.run_id in recorded:
-            continue
-        age_s = time.time() - version.creation_timestamp / 1000
-        if not queue.owner_gone(tags.get("grom.owner")) and age_s < stale_after_s:
-            continue
-        if serving_version(root, name) == str(version.version):
-            set_serving(root, name, tags.get("parent_version"))
-        client(root).delete_model_version(name, version.version)
-        removed.append(str(version.version))
-        log.warning("removed version %s of %s: registered by a run that died before recording it", version.version,
-                    name)
-    return removed

@@ -38,6 +38,20 @@ def configure_process() -> None:
         os.environ.setdefault(key, value)
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM stops a run the way Ctrl-C does: the exception unwinds the flow, so open transactions roll back,
+    claimed requests are given back and Prefect's temporary server is stopped (Python's default would end the
+    process without any of that, or leave a run going while its server is gone)."""
+    import signal
+    import threading
+
+    def stop(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        signal.signal(signal.SIGTERM, stop)
+
+
 def prefect_home(ws: Workspace) -> dict[str, str]:
     """PREFECT_HOME for this workspace, unless the user set one."""
     return {} if "PREFECT_HOME" in os.environ else {"PREFECT_HOME": str(ws.root / "prefect")}
@@ -54,6 +68,10 @@ def prefect_environment(ws: Workspace, api_url: str | None = None) -> Iterator[N
         updates[PREFECT_HOME] = prefect_home(ws)["PREFECT_HOME"]
     if api_url:
         updates[PREFECT_API_URL] = api_url
+    if not (api_url or os.environ.get("PREFECT_API_URL")):
+        from flows.reaper import watch_children
+
+        watch_children()  # the temporary server Prefect starts must not outlive a killed process
     with temporary_settings(updates=updates):
         quiet_prefect_tracebacks()
         yield

@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import transaction
 
 from flows.formatting import fmt
+from flows.reconcile import reconcile
 from flows.workspace import Workspace
 from grom_core.profiling import Timings
 from tasks import steps
@@ -29,6 +30,7 @@ from tasks.catalog import Catalog, now, record_run
 from tasks.lake import safe_name
 from tasks.plots import influence_plot, layer_scores_plot
 from tasks.records import EvaluationSpec, Outcome
+from tasks.requests import claim_owner
 from tasks.tracking import Registration, check_model_name, register
 from tasks.versions import EDIT, STORAGE_TAG, root_version
 
@@ -63,13 +65,15 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     name = check_model_name(model_name or (f"grom-{evaluation.benchmark}-{evaluation.split}"
                                            if evaluation and evaluation.benchmark
                                            else f"grom-{safe_name(Path(model).name)}"))
+    reconcile(ws.root, Catalog(ws.root / "catalog.duckdb"), name)  # what a killed run of this name left behind
     started, timings = now(), Timings(log)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
                       quantizers=None if quantization else [], prompt_format=prompt_format)
     with transaction():
         registration = timings.run("register", register_outcome, ws, outcome, name=name,
-                                   tags={"grom.kind": "unlearn", **(tags or {})}, timings=timings.seconds)
+                                   tags={"grom.kind": "unlearn", "grom.owner": claim_owner(), **(tags or {})},
+                                   timings=timings.seconds)
         stage_timings = run_timings(timings, outcome)
         commit(ws, outcome.catalog_rows(registration, flow="unlearn", started=started, timings=stage_timings))
     result = outcome.summary(registration, stage_timings, ws.root)

@@ -330,6 +330,26 @@ def test_orphan_version_of_a_dead_run_is_removed_and_the_alias_moved_back(harnes
     assert [str(v.version) for v in versions(home, "svc")] == ["1"] and serving_version(home, "svc") == "1"
 
 
+def test_an_untagged_version_of_a_killed_run_is_found_by_its_run(harness, trained_dir, data, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Killed right after MLflow's "Created version": the version has no tags yet and its run is RUNNING; the run's
+    own tags (written when it started) say it is grom's, so the next command that registers removes it."""
+    from flows.reconcile import reconcile
+    from tasks.tracking import client
+
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    mlflow = client(home)
+    experiment = mlflow.get_experiment_by_name("grom-unlearning").experiment_id
+    run = mlflow.create_run(experiment, tags={"grom.kind": "unlearn", "grom.owner": dead_owner(),
+                                              "parent_version": "1"})
+    created = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/edit", run.info.run_id)
+    foreign = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/other", None)  # another tool's
+    assert reconcile(home, Catalog(home / "catalog.duckdb"), "svc") == [str(created.version)]
+    assert sorted(str(v.version) for v in versions(home, "svc")) == ["1", str(foreign.version)]
+    assert mlflow.get_run(run.info.run_id).info.status == "FAILED"
+
+
 def registry_state(home):
     return sorted(str(v.version) for v in versions(home, "svc")), serving_version(home, "svc")
 
