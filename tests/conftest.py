@@ -96,3 +96,21 @@ def harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def run_grom(capsys, monkeypatch, *args):
+    """Run `grom ARGS` in this process through the console script's entry point; returns (exit code, stdout,
+    stderr): exactly what a user sees."""
+    import sys
+
+    from flows import cli
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["grom", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -4,17 +4,14 @@ stderr naming the problem and the fix, exit code 2, before any work, and the wor
 import json
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import FORGET, RETAIN
+from conftest import FORGET, RETAIN, run_grom
 from safetensors.torch import load_file, save_file
-
-from flows import cli
 
 ROWS = [ex.record() for ex in FORGET[:4]]
 
@@ -116,24 +113,13 @@ PARAMS = {
 }
 
 
-def grom(capsys, monkeypatch, *args):
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["grom", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    return code, *capsys.readouterr()
-
-
 def _snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
 def _refused(capsys, monkeypatch, home: Path, args: list[str], expected: str) -> None:
     before = _snapshot(home)
-    code, out, err = grom(capsys, monkeypatch, *args, "--home", str(home))
+    code, out, err = run_grom(capsys, monkeypatch, *args, "--home", str(home))
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and out == "", err[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], err[-2000:]

@@ -17,10 +17,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ATTACK, FORGET, RETAIN
+from conftest import ATTACK, FORGET, RETAIN, run_grom
 from safetensors.torch import load_file
 
-from flows import cli
 from tasks import requests as queue
 from tasks.catalog import Catalog
 from tasks.tracking import register, serving_version, set_serving, versions
@@ -42,15 +41,7 @@ def data(tmp_path_factory):
 
 def grom(capsys, monkeypatch, *args):
     """Run `grom ARGS` in this process; returns (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["grom", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_grom(capsys, monkeypatch, *args)
 
 
 def grom_json(capsys, monkeypatch, *args):
