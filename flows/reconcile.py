@@ -5,8 +5,9 @@ A run registers its version in MLflow, then commits its catalog rows: the commit
 version, then tags it), and its MLflow run RUNNING. Every command that registers calls `reconcile` for its model
 name first: such a version is deleted (the `serving` alias moved back to its parent first) and its run marked
 FAILED. A version is grom's when it or its run carries the `grom.kind` tag (run tags are written when the run
-starts); versions other tools registered are left alone, and so are those of a run that may still be going (its
-owner process alive and the version younger than `stale_after_s`).
+starts); versions other tools registered are left alone, and so are the unedited weights a run registers as the
+root of its lineage (they have no catalog row of their own, and the next run reuses them) and the versions of a run
+that may still be going (its owner process alive and the version younger than `stale_after_s`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float = 6 
         tags = {**(run.data.tags if run else {}), **version.tags}
         if "grom.kind" not in tags:
             continue  # registered by another tool
+        if tags["grom.kind"] == "base" and "grom.owner" not in tags:
+            continue  # the unedited weights a run registers first (tasks.versions.root_version): no catalog row
         age_s = time.time() - version.creation_timestamp / 1000
         if not queue.owner_gone(tags.get("grom.owner")) and age_s < stale_after_s:
             continue

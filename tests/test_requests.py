@@ -336,8 +336,11 @@ def test_an_untagged_version_of_a_killed_run_is_found_by_its_run(harness, traine
                                               "parent_version": "1"})
     created = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/edit", run.info.run_id)
     foreign = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/other", None)  # another tool's
+    root = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/base", None,
+                                       tags={"grom.kind": "base"})  # a lineage's root: no catalog row, kept
     assert reconcile(home, Catalog(home / "catalog.duckdb"), "svc") == [str(created.version)]
-    assert sorted(str(v.version) for v in versions(home, "svc")) == ["1", str(foreign.version)]
+    assert sorted(str(v.version) for v in versions(home, "svc")) == sorted(["1", str(foreign.version),
+                                                                           str(root.version)])
     assert mlflow.get_run(run.info.run_id).info.status == "FAILED"
 
 
