@@ -20,6 +20,7 @@ from prefect.transactions import transaction
 
 from flows.audit import redact_audits
 from flows.reconcile import reconcile
+from flows.runtime import kill_point
 from flows.unlearn import commit, compute, register_outcome, run_timings
 from flows.workspace import Workspace
 from grom_core.errors import DataError, FingerprintMismatchError
@@ -73,7 +74,7 @@ def process_deletion_requests(home: str | None = None, model_name: str | None = 
 
 def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[int], owner: str, batch: Path,
             purge: bool) -> dict:
-    name, started, timings = service.model_name, now(), Timings(log)
+    name, started, timings = service.model_name, now(), Timings(log, after_stage=kill_point)
     parent = serving_version(ws.root, name)
     if parent is None:
         raise DataError(f"'{name}' has no version in service (alias 'serving'); register one with "

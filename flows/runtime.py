@@ -38,6 +38,18 @@ def configure_process() -> None:
         os.environ.setdefault(key, value)
 
 
+KILL_AFTER_ENV = "GROM_KILL_AFTER_STAGE"
+
+
+def kill_point(stage: str) -> None:
+    """Fault injection for the kill tests: with GROM_KILL_AFTER_STAGE=<stage> the process SIGKILLs itself as that
+    stage ends (no handler, no finally: what the OOM killer or a power cut does). Unset, it does nothing."""
+    if os.environ.get(KILL_AFTER_ENV) == stage:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM stops a run the way Ctrl-C does: the exception unwinds the flow, so open transactions roll back,
     claimed requests are given back and Prefect's temporary server is stopped (Python's default would end the

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect.transactions import transaction
 
+from flows.reconcile import reconcile
 from flows.workspace import Workspace
 from grom_core.data import prompt_format as data_prompt_format
 from grom_core.edit import Edit, Undo
@@ -58,6 +59,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
     name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
     catalog = _catalog(ws)
+    reconcile(ws.root, catalog, name)  # what a killed run registered under this name and never recorded
     rows = read_examples(retain)
     digest = data_digest(rows)
 
@@ -183,6 +185,7 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
     ws = Workspace.resolve(home)
     catalog = _catalog(ws)
     name = queue.get_service(catalog, model_name).model_name
+    reconcile(ws.root, catalog, name)
     tags = get_version(ws.root, name, version).tags
     serving = serving_version(ws.root, name)
     if str(version) != serving:

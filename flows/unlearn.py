@@ -23,6 +23,7 @@ from prefect.transactions import transaction
 
 from flows.formatting import fmt
 from flows.reconcile import reconcile
+from flows.runtime import kill_point
 from flows.workspace import Workspace
 from grom_core.profiling import Timings
 from tasks import steps
@@ -66,7 +67,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
                                            if evaluation and evaluation.benchmark
                                            else f"grom-{safe_name(Path(model).name)}"))
     reconcile(ws.root, Catalog(ws.root / "catalog.duckdb"), name)  # what a killed run of this name left behind
-    started, timings = now(), Timings(log)
+    started, timings = now(), Timings(log, after_stage=kill_point)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
                       quantizers=None if quantization else [], prompt_format=prompt_format)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -68,10 +68,11 @@ class Timings:
     A stage entered twice adds up; each finished stage is logged at INFO on `logger` when one is given, which is
     the per-stage progress a user watches in a long run."""
 
-    def __init__(self, logger=None) -> None:
+    def __init__(self, logger=None, after_stage: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.started = time.perf_counter()
         self._log = logger
+        self._after_stage = after_stage  # called with the name of each stage that finished without an error
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -82,6 +83,8 @@ class Timings:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             if self._log is not None:
                 self._log.info("stage %-18s %7.2f s", name, self.seconds[name])
+        if self._after_stage is not None:
+            self._after_stage(name)
 
     def run(self, stage: str, fn, /, *args, **kwargs):
         """`fn(*args, **kwargs)` timed as stage `stage`."""

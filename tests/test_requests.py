@@ -507,3 +507,51 @@ def test_registered_versions_resolve_to_folders_even_when_the_folder_is_gone(tra
     weights = load_file(str(next(downloaded.glob("*.safetensors"))))
     original = load_file(str(Path(trained_dir) / "model.safetensors"))
     assert all(weights[k].equal(original[k]) for k in original)
+
+
+def _killed(home, args, stage):
+    """Run `grom ARGS` in a child process that SIGKILLs itself as `stage` ends (flows.runtime.kill_point)."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or "", "HF_HUB_OFFLINE": "1",
+           "GROM_KILL_AFTER_STAGE": stage}
+    child = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--home", str(home)], env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+
+
+def _consistent(home, name):
+    """Every version of `name` is the root of its lineage or has the catalog row of the run that made it."""
+    recorded = {r["mlflow_run_id"] for r in Catalog(home / "catalog.duckdb").query(
+        "SELECT mlflow_run_id FROM runs WHERE model_name = ?", [name])}
+    for version in versions(home, name):
+        assert version.tags.get("grom.kind") == "base" or version.run_id in recorded, version.version
+
+
+@pytest.mark.parametrize("stage", ["ingest", "apply_and_save", "register"])  # before any write, mid-way, between
+def test_unlearn_killed_in_a_stage_leaves_a_workspace_the_next_run_completes(stage, harness, trained_dir, data,
+                                                                             tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    args = ["unlearn", "--model", str(trained_dir), "--forget", data["req1"], "--retain", data["retain"],
+            "--model-name", "fault", "--no-quantization"]
+    _killed(home, args, stage)
+    done = grom_json(capsys, monkeypatch, *args, "--home", str(home))
+    _consistent(home, "fault")
+    assert done["mlflow"]["model_name"] == "fault"
+    kept = Catalog(home / "catalog.duckdb").query("SELECT count(*) AS n FROM runs WHERE model_name = 'fault'")
+    assert kept[0]["n"] == 1  # the killed run left no row; the rerun wrote its own
+
+
+@pytest.mark.parametrize("stage", ["load", "unlearn", "register"])  # claimed, computed, registered not recorded
+def test_request_processing_killed_in_a_stage_is_completed_by_the_next_run(stage, harness, trained_dir, data,
+                                                                           tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    _killed(home, ["request", "process"], stage)
+    assert request_statuses(home) == {1: ("processing", None)} and serving_version(home, "svc") == "1"
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["processed"] == [1] and done["promoted"] and request_statuses(home) == {1: ("done", done["version"])}
+    assert done["orphans_removed"] == (["2"] if stage == "register" else [])
+    _consistent(home, "svc")
+    assert serving_version(home, "svc") == done["version"]
