@@ -134,12 +134,13 @@ class KeyCapture:
         return hook
 
     @torch.no_grad()
-    def run(self, batch: Batch) -> CapturedBatch:
-        """One forward pass over `batch` (moved to the model's device); returns its supervised positions."""
+    def run(self, batch: Batch, mask: torch.Tensor | None = None) -> CapturedBatch:
+        """One forward pass over `batch` (moved to the model's device); returns its supervised positions, or the
+        positions `mask` (B, T) bool selects (an editor's subject tokens)."""
         if not self._handles:
             raise RuntimeError("KeyCapture.run() called outside its `with` block")
         batch = batch.to(model_device(self.model))
-        self._mask = supervised_mask(batch)
+        self._mask = supervised_mask(batch) if mask is None else mask.to(batch.input_ids.device)
         self._got_in, self._got_out = {}, {}
         with suppress(_StopForward):
             self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)

@@ -75,11 +75,15 @@ def prompt_format(name: str | PromptFormat) -> PromptFormat:
 
 @dataclass(frozen=True)
 class Example:
-    """One unit of data: a QA pair (question and answer) or a raw text (text only)."""
+    """One unit of data: a QA pair (question and answer) or a raw text (text only).
+
+    `subject` (QA pairs only, optional) names what the fact is about, as it is written in the question ("France" in
+    "The capital of France is"); the locate-then-edit methods key their update at its last token."""
 
     question: str | None = None
     answer: str | None = None
     text: str | None = None
+    subject: str | None = None
 
     def __post_init__(self) -> None:
         is_qa = self.question is not None and self.answer is not None
@@ -88,12 +92,18 @@ class Example:
         content = (self.question or "") + (self.answer or "") + (self.text or "")
         if not content.strip():
             raise DataError("an example is empty; drop empty rows from the input file")
+        if self.subject is not None and (self.question is None or not self.subject.strip()
+                                         or self.subject not in self.question):
+            raise DataError(f"subject {self.subject!r} must be a non-empty part of the example's question "
+                            f"({self.question!r}); fix the subject or leave it out")
 
     def record(self) -> dict[str, str]:
-        """JSON-serialisable content, used for digests and the catalog."""
+        """JSON-serialisable content, used for digests and the catalog (the subject only where one is given, so
+        that the digests of data without subjects stay as they were)."""
         if self.text is not None:
             return {"text": self.text}
-        return {"question": self.question, "answer": self.answer}
+        subject = {} if self.subject is None else {"subject": self.subject}
+        return {"question": self.question, "answer": self.answer, **subject}
 
 
 def as_examples(items: Sequence[Example | dict | tuple | str]) -> list[Example]:
@@ -107,7 +117,9 @@ def as_examples(items: Sequence[Example | dict | tuple | str]) -> list[Example]:
         elif isinstance(item, tuple) and len(item) == 2:
             out.append(Example(question=item[0], answer=item[1]))
         elif isinstance(item, dict) and ("question" in item and "answer" in item):
-            out.append(Example(question=str(item["question"]), answer=str(item["answer"])))
+            subject = item.get("subject")
+            out.append(Example(question=str(item["question"]), answer=str(item["answer"]),
+                               subject=None if subject is None else str(subject)))
         elif isinstance(item, dict) and "text" in item:
             out.append(Example(text=str(item["text"])))
         else:

@@ -22,6 +22,7 @@ from torch import nn
 from grom_core.adapter import ModelAdapter
 from grom_core.closed_form import GromParams, SolveRecord, run_grom
 from grom_core.edit import Edit
+from grom_core.editors import alphaedit, memit, rome
 from grom_core.errors import DataError
 from grom_core.gradient import methods as gradient
 from grom_core.gradient.trainer import train
@@ -126,8 +127,16 @@ METHODS: dict[str, Method] = {
     "simnpo": gradient_method("simnpo", gradient.SimNPOParams, gradient.Objective(gradient.simnpo_forget),
                                "reference-free NPO"),
     "idkdpo": gradient_method("idkdpo", gradient.IdkDPOParams,
-                               gradient.Objective(gradient.idkdpo_forget, needs_reference=True, needs_idk=True),
+                               gradient.Objective(gradient.idkdpo_forget, needs_reference=True, preferred="idk"),
                                "DPO towards 'I don't know' answers"),
+    "altpo": gradient_method("altpo", gradient.AltPOParams,
+                              gradient.Objective(gradient.altpo_forget, needs_reference=True,
+                                                 preferred="alternative"),
+                              "alternate preference optimisation: DPO towards in-domain alternative answers"),
+    "rome": Method("rome", rome.RomeParams, rome.run, "rank-one edit of one layer per fact, v* giving the fact up"),
+    "memit": Method("memit", memit.MemitParams, memit.run, "least-squares edit of a band of layers for many facts"),
+    "alphaedit": Method("alphaedit", alphaedit.AlphaEditParams, alphaedit.run,
+                        "MEMIT's edit projected onto the null space of the retain keys"),
 }
 
 

@@ -108,14 +108,16 @@ def _string(path, number: int, row: dict, column: str) -> str:
 
 def read_examples(path: str | Path) -> list[dict]:
     """QA pairs ({question, answer}) and texts ({text}) for training and unlearning, validated. Each row is one or
-    the other, and a file may hold both (a retain set of facts and of general prose, like minirwku's)."""
+    the other, and a file may hold both (a retain set of facts and of general prose, like minirwku's). A QA row may
+    name its `subject` (the editors key their update at its last token; see grom_core.data.Example)."""
     rows = read_rows(path)
     if not rows:
         raise DataError(f"{path} holds no rows")
     examples = []
     for number, row in enumerate(rows, start=1):
         if _filled(row, "question") and _filled(row, "answer"):
-            examples.append({c: _string(path, number, row, c) for c in ("question", "answer")})
+            columns = ("question", "answer", "subject") if _filled(row, "subject") else ("question", "answer")
+            examples.append({c: _string(path, number, row, c) for c in columns})
         elif _filled(row, "text"):
             examples.append({"text": _string(path, number, row, "text")})
         else:

@@ -83,10 +83,11 @@ def test_sago_never_opposes_the_retain_gradient():
 
 def test_registry_has_every_gradient_method_with_its_published_defaults():
     gradient = {name for name, m in METHODS.items() if m.objective is not None}
-    assert gradient == {"ga", "graddiff", "npo", "simnpo", "idkdpo"}
+    assert gradient == {"ga", "graddiff", "npo", "simnpo", "idkdpo", "altpo"}
     assert METHODS["npo"].params().beta == 0.1 and METHODS["simnpo"].params().beta == 4.5
     assert METHODS["simnpo"].params().gamma == 0.125 and METHODS["ga"].params().alpha == 0.0
-    assert METHODS["npo"].objective.needs_reference and METHODS["idkdpo"].objective.needs_idk
+    assert METHODS["npo"].objective.needs_reference and METHODS["idkdpo"].objective.preferred == "idk"
+    assert METHODS["altpo"].objective.preferred == "alternative" and METHODS["altpo"].params().beta == 0.1
     assert not METHODS["simnpo"].objective.needs_reference
     assert len(idk_answers()) > 50
 
@@ -127,3 +128,25 @@ def test_bad_method_and_composer(trained):
         NPOParams.from_dict({"trainer": {"epochs": 2.5}})
     with pytest.raises(DataError, match="not a gradient method"):
         unlearn_gradient(model, tokenizer, FORGET, RETAIN, "grom")
+
+
+def test_altpo_prefers_in_domain_alternatives_and_forgets(trained):
+    from grom_core.data import Example
+    from grom_core.gradient.trainer import alternative_answers
+
+    forget = [Example(question="Where was the author Ann Lee born?", answer="Ann Lee was born in Oslo.")]
+    retain = [Example(question="What genre does Bo Kim write in?", answer="Bo Kim writes crime."),
+              Example(question="Where was the author Bo Kim born?", answer="Bo Kim was born in Lima."),
+              Example(question="Where was the author Cy Ode born?", answer="Ann Lee was born in Oslo."),
+              Example(text="a text has no answer to offer")]
+    # the most similar question whose answer differs from the forget answer comes first
+    assert alternative_answers(forget, retain, k=2) == [["Bo Kim was born in Lima.", "Bo Kim writes crime."]]
+    with pytest.raises(DataError, match="retain questions"):
+        alternative_answers(forget, [Example(text="only texts")])
+    model, tokenizer = trained
+    before = answer_probability(model, tokenizer, FORGET).mean()
+    recipe = TrainerParams(lr=2e-3, epochs=2, batch_size=4, grad_accum=2)
+    run = unlearn_gradient(model, tokenizer, FORGET, RETAIN, "altpo", METHODS["altpo"].params(trainer=recipe))
+    with run.edit.applied(model):
+        after = answer_probability(model, tokenizer, FORGET).mean()
+    assert after < before and run.edit.params["method"] == "altpo"

@@ -88,16 +88,27 @@ class IdkDPOParams(MethodParams):
     beta: float = 0.1
 
 
+@dataclass(frozen=True)
+class AltPOParams(MethodParams):
+    """AltPO (Mekala et al. 2024): beta of its DPO term, alt_weight of the alternatives' NLL (its positive
+    feedback)."""
+
+    beta: float = 0.1
+    alt_weight: float = 1.0
+
+
 @dataclass
 class ForgetBatchOutputs:
     """What a forget objective may use. (B,) sums of answer log-probs and lengths; *_ref from the frozen model;
-    idk_*: the same for the "I don't know" answers to the forget questions (IdkDPO)."""
+    preferred_*: the same for the answers preferred to the forget answers (IdkDPO's "I don't know", AltPO's
+    alternatives)."""
 
     logp: torch.Tensor
     lengths: torch.Tensor
     ref_logp: torch.Tensor | None = None
-    idk_logp: torch.Tensor | None = None
-    idk_ref_logp: torch.Tensor | None = None
+    preferred_logp: torch.Tensor | None = None
+    preferred_ref_logp: torch.Tensor | None = None
+    preferred_lengths: torch.Tensor | None = None
 
 
 def ga_forget(out: ForgetBatchOutputs, p: GAParams) -> torch.Tensor:
@@ -113,13 +124,21 @@ def simnpo_forget(out: ForgetBatchOutputs, p: SimNPOParams) -> torch.Tensor:
 
 
 def idkdpo_forget(out: ForgetBatchOutputs, p: IdkDPOParams) -> torch.Tensor:
-    return losses.dpo(out.idk_logp, out.logp, out.idk_ref_logp, out.ref_logp, p.beta)
+    return losses.dpo(out.preferred_logp, out.logp, out.preferred_ref_logp, out.ref_logp, p.beta)
+
+
+def altpo_forget(out: ForgetBatchOutputs, p: AltPOParams) -> torch.Tensor:
+    """DPO of an alternative answer over the forget answer, plus the alternative's NLL."""
+    return (losses.dpo(out.preferred_logp, out.logp, out.preferred_ref_logp, out.ref_logp, p.beta)
+            + p.alt_weight * losses.nll(out.preferred_logp, out.preferred_lengths))
 
 
 @dataclass(frozen=True)
 class Objective:
-    """A gradient method's forget objective and what it needs computed besides the model's own log-probs."""
+    """A gradient method's forget objective and what it needs computed besides the model's own log-probs:
+    a frozen reference model, and `preferred` answers to the forget questions ("idk": TOFU's "I don't know"
+    sentences; "alternative": in-domain alternatives, see `trainer.alternative_answers`)."""
 
     forget_loss: Callable[[ForgetBatchOutputs, MethodParams], torch.Tensor]
     needs_reference: bool = False
-    needs_idk: bool = False
+    preferred: str | None = None

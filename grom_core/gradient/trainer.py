@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,41 @@ def idk_answers(path: str | Path | None = None) -> list[str]:
     path = Path(path) if path else tofu_data_dir() / "idontknow.jsonl"
     lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     return [json.loads(line) if line.startswith('"') else line for line in lines]
+
+
+ALTERNATIVES = 3  # candidates per forget question; one is drawn per epoch
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def alternative_answers(forget: list[Example], retain: list[Example], k: int = ALTERNATIVES) -> list[list[str]]:
+    """Per forget question, the answers of the k retain questions most like it (word Jaccard; ties by order) whose
+    answer differs from the forget answer: plausible, in-domain and false for this question, which is what AltPO
+    prefers. (The paper has the model write alternatives; a tiny model given the forget question writes the
+    memorised answer back, so they are taken from the retain facts of the same kind.)"""
+    pool = [ex for ex in retain if ex.question is not None]
+    if not pool:
+        raise DataError("AltPO takes its alternative answers from the retain questions; the retain data has none")
+    words = [_words(ex.question) for ex in pool]
+    out = []
+    for ex in forget:
+        mine = _words(ex.question)
+        scored = sorted(range(len(pool)), key=lambda j: -len(mine & words[j]) / max(1, len(mine | words[j])))
+        picks = [pool[j].answer for j in scored if pool[j].answer.strip() != ex.answer.strip()][:k]
+        out.append(picks or [pool[scored[0]].answer])
+    return out
+
+
+def preferred_answers(kind: str | None, forget: list[Example], retain: list[Example]) -> list[list[str]]:
+    """Per forget example, the answers a preference method may prefer to it ([] when it prefers none)."""
+    if kind is None:
+        return []
+    if kind == "idk":
+        idk = idk_answers()
+        return [idk] * len(forget)
+    return alternative_answers(forget, retain)
 
 
 def trainable_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -94,8 +130,8 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     params.validate()
     spec, trainer, compose = objective, params.trainer, params.compose
     forget_ex, retain_ex = as_examples(forget), as_examples(retain)
-    if any(ex.question is None for ex in forget_ex) and spec.needs_idk:
-        raise DataError("IdkDPO needs question/answer forget examples (the preferred answer is an 'I don't know')")
+    if any(ex.question is None for ex in forget_ex) and spec.preferred:
+        raise DataError(f"{name} needs question/answer forget examples (it prefers another answer to each)")
     head = model.get_output_embeddings()
     if head is not None and shares_input_embedding(model, head):
         raise TiedWeightsError("the LM head is tied to the input embedding; untie it first with "
@@ -107,7 +143,7 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     modules = trainable_modules(model)
     originals = {name: m.weight.detach().clone() for name, m in modules.items()}
     reference = None
-    if spec.needs_idk or params.retain_loss == "kl":  # the reference is asked about inputs made during training
+    if spec.preferred or params.retain_loss == "kl":  # the reference is asked about inputs made during training
         reference = copy.deepcopy(model).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
@@ -122,7 +158,7 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(trained, lr=trainer.lr, weight_decay=trainer.weight_decay)
     composer = COMPOSERS[compose]
-    idk = idk_answers() if spec.needs_idk else []
+    candidates = preferred_answers(spec.preferred, forget_ex, retain_ex)
     device = model_device(model)
     steps = passes = 0
     history = []
@@ -135,9 +171,10 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
             original_id = torch.tensor(order)  # a batch's example ids count positions in the shuffled order
             forget_batches = make_batches(tokenizer, [forget_ex[i] for i in order], trainer.batch_size,
                                           trainer.max_length, fmt=prompt_format)
-            preferred = [Example(question=forget_ex[i].question, answer=rng.choice(idk)) for i in order] if idk else []
-            idk_batches = (make_batches(tokenizer, preferred, trainer.batch_size, trainer.max_length, fmt=prompt_format)
-                           if idk else [None] * len(forget_batches))
+            preferred = [Example(question=forget_ex[i].question, answer=rng.choice(candidates[i])) for i in order
+                         ] if candidates else []
+            preferred_batches = (make_batches(tokenizer, preferred, trainer.batch_size, trainer.max_length,
+                                              fmt=prompt_format) if candidates else [None] * len(forget_batches))
             retain_order = rng.sample(range(len(retain_ex)), len(retain_ex))
             retain_batches = make_batches(tokenizer, [retain_ex[i] for i in retain_order], trainer.batch_size,
                                           trainer.max_length, fmt=prompt_format)
@@ -153,8 +190,9 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
                     rb = retain_batches[i % len(retain_batches)].to(device)
                     stored = (ref_logp[original_id[fb.example_ids.cpu()]].to(device) if ref_logp is not None
                               else None)
-                    loss_f = _forget_objective(model, reference, spec, params, fb, idk_batches[i], device, stored)
-                    passes += 1 + (reference is not None and spec.needs_reference) + 2 * spec.needs_idk
+                    loss_f = _forget_objective(model, reference, spec, params, fb, preferred_batches[i], device,
+                                               stored)
+                    passes += 1 + (reference is not None and spec.needs_reference) + 2 * bool(spec.preferred)
                     epoch_f += loss_f.item()
                     loss_r = None
                     if params.alpha:
@@ -183,16 +221,16 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
                      trainer.epochs, history[-1]["forget_loss"], history[-1]["retain_loss"], steps)
         deltas = {}
         with torch.no_grad():
-            for name, module in modules.items():
-                diff = module.weight.detach() - originals[name]  # exact in the weights' dtype (Sterbenz)
+            for module_name, module in modules.items():
+                diff = module.weight.detach() - originals[module_name]  # exact in the weights' dtype (Sterbenz)
                 diff = diff.T if is_conv1d(module) else diff  # [out, in], as ModuleDelta expects
                 if bool(diff.abs().max() > 0):
-                    deltas[name] = ModuleDelta(name=name, shape=tuple(weight_out_in(module).shape),
-                                               dense=diff.cpu().contiguous())
+                    deltas[module_name] = ModuleDelta(name=module_name, shape=tuple(weight_out_in(module).shape),
+                                                      dense=diff.cpu().contiguous())
     finally:
         with torch.no_grad():
-            for name, module in modules.items():
-                module.weight.copy_(originals[name])  # the exact original bits
+            for module_name, module in modules.items():
+                module.weight.copy_(originals[module_name])  # the exact original bits
         for p in model.parameters():
             p.requires_grad_(flags[id(p)])
             p.grad = None
@@ -228,17 +266,17 @@ def reference_logprobs(model, tokenizer, examples, batch_size: int, max_length: 
     return out
 
 
-def _forget_objective(model, reference, spec, params, batch, idk_batch, device, ref_logp=None) -> torch.Tensor:
+def _forget_objective(model, reference, spec, params, batch, preferred_batch, device, ref_logp=None) -> torch.Tensor:
     _, logp, lengths = _sequence_outputs(model, batch)
     out = ForgetBatchOutputs(logp=logp, lengths=lengths, ref_logp=ref_logp)
     if reference is not None and spec.needs_reference:
         with torch.no_grad():
             out.ref_logp = _sequence_outputs(reference, batch)[1]
-    if spec.needs_idk:
-        idk_batch = idk_batch.to(device)
-        out.idk_logp = _sequence_outputs(model, idk_batch)[1]
+    if spec.preferred:
+        preferred_batch = preferred_batch.to(device)
+        _, out.preferred_logp, out.preferred_lengths = _sequence_outputs(model, preferred_batch)
         with torch.no_grad():
-            out.idk_ref_logp = _sequence_outputs(reference, idk_batch)[1]
+            out.preferred_ref_logp = _sequence_outputs(reference, preferred_batch)[1]
     return spec.forget_loss(out, params)
 
 
