@@ -212,7 +212,8 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     modules = [m for m in (edited or []) if m != adapter.lm_head_name] or [adapter.down_proj_names[-1]]
     throughput = key_extraction_throughput(model, retain_batches, modules)
     result = {"benchmark": benchmark, "split": built.split, "before": before, "rows": rows,
-              "columns": list(bench.metrics.table[:3]), "throughput": throughput, "solve_scaling": solve_scaling(),
+              "columns": list(bench.metrics.table[:bench.metrics.shown]), "throughput": throughput,
+              "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,
               "quantizers": list(quants), "trainer": recipe.to_dict()}
     plot = ws.root / "bench" / f"pareto-{benchmark}-{built.split}.png"

@@ -22,6 +22,7 @@ from flows.console import (
 )
 from flows.formatting import fmt
 from flows.runtime import configure_process, stop_on_sigterm
+from grom_core.benchmarks.registry import BENCHMARKS
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
 
@@ -119,7 +120,7 @@ app.add_typer(benchmark_app, name="benchmark")
 
 @benchmark_app.command("build")
 def benchmark_build(
-    name: Annotated[str, typer.Argument(help="minitofu, minimuse or miniwmdp.")],
+    name: Annotated[str, typer.Argument(help=f"One of {', '.join(n for n, b in BENCHMARKS.items() if b.generate)}.")],
     out: Annotated[str | None, typer.Option(help="Output folder (default <workspace>/benchmarks).")] = None,
     split: Annotated[str | None, typer.Option(help="Forget split the retain model leaves out.")] = None,
     check: Annotated[bool, typer.Option(help="Evaluate both models and save the retain reference.")] = True,

@@ -123,14 +123,17 @@ def countryinfo_dir() -> Path:
 
 
 def read_countries(folder: Path | None = None) -> list[dict]:
-    """[{"entity", "capital", "continent" (or None)}] for every country with a capital, sorted by name."""
+    """[{"entity", "capital", "continent" (or None), "demonym" (or None)}] for every country with a capital, sorted
+    by name."""
     rows = []
     for path in sorted((folder or countryinfo_dir()).glob("*.json")):
         record = json.loads(path.read_text(encoding="utf-8"))
         name, capital = record.get("name"), record.get("capital")
         if isinstance(name, str) and isinstance(capital, str) and name and capital:
             region = record.get("region")
-            rows.append({"entity": name, "capital": capital, "continent": region if region in CONTINENTS else None})
+            demonym = record.get("demonym") if isinstance(record.get("demonym"), str) else None
+            rows.append({"entity": name, "capital": capital, "continent": region if region in CONTINENTS else None,
+                         "demonym": demonym or None})
     return sorted(rows, key=lambda r: r["entity"])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from grom_core.benchmarks import minimuse, minirwku, minitofu, miniwmdp
+from grom_core.benchmarks import minimuse, minirwku, minitofu, miniwmdp, minizsre
 from grom_core.data import as_examples, read_json_object, read_jsonl
 from grom_core.errors import DataError
 from grom_core.finetune import example_texts, train_tiny_model
@@ -33,13 +33,15 @@ class MetricKeys:
         forget: the headline forget metric (lower means more forgotten).
         utility: the headline utility metric (higher is better).
         recovery: forget metrics whose rise after quantization means the forgetting came back.
-        table: what tables show, most important first (`grom bench` shows the first three).
+        table: what tables show, most important first (`grom bench` shows the first `shown`).
+        shown: how many of `table` a `grom bench` table shows (each also after every quantization attack).
     """
 
     forget: str
     utility: str
     recovery: tuple[str, ...]
     table: tuple[str, ...]
+    shown: int = 3
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ def _rwku_evaluate(model, tokenizer, splits, split, reference, *, batch_size: in
     return minirwku.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size)
 
 
+def _zsre_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 32, max_new_tokens: int = 0):
+    return minizsre.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size)
+
+
 def _read_json_metrics(path: Path) -> dict:
     metrics = read_json_object(path, "reference file").get("metrics")
     if not isinstance(metrics, dict):
@@ -181,6 +187,10 @@ RWKU_METRICS = MetricKeys(forget="forget_accuracy", utility="neighbor_accuracy",
                           table=("forget_fb_accuracy", "forget_qa_accuracy", "forget_adv_accuracy",
                                  "neighbor_fb_accuracy", "neighbor_qa_accuracy", "utility_world_facts_accuracy",
                                  "utility_real_authors_accuracy", "utility_perplexity", "mia_auc"))
+ZSRE_METRICS = MetricKeys(forget="rewrite_accuracy", utility="specificity",
+                          recovery=("rewrite_accuracy", "paraphrase_accuracy"),
+                          table=("efficacy", "generalization", "specificity", "fluency", "rewrite_accuracy",
+                                 "paraphrase_accuracy"), shown=4)
 WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", recovery=("forget_accuracy",),
                           table=("forget_accuracy", "retain_accuracy", "chance_accuracy"))
 
@@ -209,6 +219,11 @@ BENCHMARKS: dict[str, Benchmark] = {
                           method_params={"grom": {"layers": [10, 11], "beta": 15.0, "relative_ridge": 0.1}},
                           # TOFU's recipe for pretrained models (lr 1e-5, 10 epochs) with batches that fit a
                           # forget set of 3-30 examples
+                          trainer={"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1}),
+    "minizsre": Benchmark("minizsre", minizsre.MiniZsreConfig(), minizsre.generate, None, _zsre_evaluate,
+                          {split: "retain_facts" for split in minizsre.SPLITS}, "edit10", minizsre.unlearning_inputs,
+                          ZSRE_METRICS, _read_json_metrics, _write_json_reference, pretrained="smollm2",
+                          prompt_format="completion",
                           trainer={"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1}),
 }
 
