@@ -34,6 +34,7 @@ class Ablation:
     why: str
     change: Callable[[GromParams], dict]
     targets: tuple[str, ...] = ("suppress", "corrupt")  # the target kinds the row applies to
+    subjects: bool = False  # applies only to forget data that names its subjects (fact benchmarks)
 
 
 ABLATIONS: tuple[Ablation, ...] = (
@@ -52,6 +53,10 @@ ABLATIONS: tuple[Ablation, ...] = (
              lambda p: {"strategy": "parallel"}),
     Ablation("weak retain constraint", "w_retain 1 instead of the parameters' value", lambda p: {"w_retain": 1.0}),
     Ablation("ridge x100", "a hundred times the relative ridge", lambda p: {"relative_ridge": p.relative_ridge * 100}),
+    Ablation("keys at subjects", "forget keys at each subject's last token instead of the answer positions",
+             lambda p: {"keys": "subject"}, ("suppress",), subjects=True),
+    Ablation("keys at subjects and answers", "forget keys at the subjects' last tokens and the answer positions",
+             lambda p: {"keys": "subject+answer"}, ("suppress",), subjects=True),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
              lambda p: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
 )
@@ -89,7 +94,8 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     before = evaluate_loaded(model, tokenizer, spec)
     store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
     out = []
-    for i, row in enumerate(r for r in chosen if base.target in r.targets):
+    named = any(isinstance(ex, dict) and ex.get("subject") for ex in forget)
+    for i, row in enumerate(r for r in chosen if base.target in r.targets and (named or not r.subjects)):
         params = ablation_params(base, row, base.target)
         with measure() as cost:
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,

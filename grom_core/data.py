@@ -156,6 +156,44 @@ def encode(tokenizer, example: Example, max_length: int = 512, fmt: str | Prompt
     return EncodedExample(ids, labels)
 
 
+def subject_position(tokenizer, example: Example, fmt: PromptFormat) -> int:
+    """Index of the subject's last token in the encoded example (`data.encode`'s ids); without a subject, the
+    prompt's last token (where the model is about to state the fact)."""
+    prefix = fmt.prefix(tokenizer)
+    prompt = fmt.prompt(tokenizer, example.question)
+    last = len(prefix) + len(tokenizer.encode(prompt, add_special_tokens=False)) - 1
+    if example.subject is None:
+        return last
+    end = prompt.index(example.subject) + len(example.subject)  # Example checks the subject is in the question
+    at = len(prefix) + len(tokenizer.encode(prompt[:end], add_special_tokens=False)) - 1
+    return max(len(prefix), min(at, last))
+
+
+def mark_subjects(tokenizer, examples: Sequence[Example], batches: Sequence[Batch], fmt: str | PromptFormat,
+                  answers: bool = True) -> list[Batch]:
+    """The batches (of `examples`, in order, as `make_batches` makes them) with each subject's last token also
+    supervised, its "next token" the answer's first token, so that keys are also captured where the model holds
+    what it knows about the subject; with answers=False only there (the answers' own labels dropped). Examples
+    without a subject keep their labels. The input ids are untouched: only the labels say where keys are taken."""
+    fmt = prompt_format(fmt)
+    out = []
+    for batch in batches:
+        labels = batch.labels.clone()
+        for row, index in enumerate(batch.example_ids.tolist()):
+            example = examples[index]
+            if example.subject is None:
+                continue
+            supervised = (labels[row] != IGNORE_INDEX).nonzero().flatten()
+            first = int(labels[row, supervised[0]]) if supervised.numel() else None
+            if first is None:
+                continue
+            if not answers:
+                labels[row, :] = IGNORE_INDEX
+            labels[row, subject_position(tokenizer, example, fmt) + 1] = first
+        out.append(Batch(batch.input_ids, batch.attention_mask, labels, batch.example_ids))
+    return out
+
+
 @dataclass
 class Batch:
     """A padded batch (right padding). Shapes: input_ids, attention_mask, labels (B, T); example_ids (B,)."""

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import FORGET, RETAIN
 
-from grom_core.data import Example, encode, prompt_format
-from grom_core.editors.facts import default_layers, subject_position
+from grom_core.data import Example, encode, prompt_format, subject_position
+from grom_core.editors.facts import default_layers
 from grom_core.editors.updates import alphaedit_update, memit_update, null_space_projector, rome_updates
 from grom_core.errors import DataError, ParamsError
 from grom_core.fingerprint import weights_fingerprint
@@ -141,3 +141,28 @@ def test_editors_share_groms_retain_statistics_and_refuse_bad_input(trained):
         METHODS["rome"].run(model, tokenizer, [{"text": "a text"}], RETAIN, method_params("rome"), context)
     with pytest.raises(DataError, match="layers \\[9\\] do not exist"):
         METHODS["memit"].run(model, tokenizer, forget, RETAIN, method_params("memit", {"layers": [9]}), context)
+
+
+def test_grom_keys_at_subjects(trained):
+    from conftest import AUTHORS
+
+    from grom_core.closed_form import GromParams, run_grom
+    from grom_core.data import make_batches
+
+    model, tokenizer = trained
+    names = [a.name for a in AUTHORS]
+    forget = [Example(question=ex.question, answer=ex.answer, subject=next(n for n in names if n in ex.question))
+              for ex in FORGET[:3]]
+    params = GromParams(keys="subject", layers=(1,), edit_lm_head=False, influence=False)
+    record = run_grom(model, tokenizer, forget, RETAIN, params).records["model.layers.1.mlp.down_proj"]
+    fmt = prompt_format("qa")
+    assert record.positions.tolist() == [subject_position(tokenizer, ex, fmt) for ex in forget]
+    first_answer_tokens = [encode(tokenizer, ex, 96, fmt) for ex in forget]
+    assert record.tokens.tolist() == [next(t for t in e.labels if t != -100) for e in first_answer_tokens]
+    both = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="subject+answer")).records
+    answers = sum(b.num_supervised for b in make_batches(tokenizer, forget, 16, fmt=fmt))
+    assert both["model.layers.1.mlp.down_proj"].keys.shape[1] == answers + len(forget)
+    with pytest.raises(DataError, match="name their subject"):
+        run_grom(model, tokenizer, FORGET[:2], RETAIN, params)
+    with pytest.raises(ParamsError, match="keys must be"):
+        GromParams(keys="question").validate()

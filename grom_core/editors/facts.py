@@ -38,6 +38,7 @@ from grom_core.data import (
     encode,
     pad_token_id,
     prompt_format,
+    subject_position,
 )
 from grom_core.errors import DataError
 from grom_core.modes import evaluating
@@ -99,19 +100,6 @@ def chosen_layers(params: EditorParams, adapter: ModelAdapter, first: float, las
     if bad:
         raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
     return layers
-
-
-def subject_position(tokenizer, example: Example, fmt: PromptFormat) -> int:
-    """Index of the subject's last token in the encoded example (`data.encode`'s ids); without a subject, the
-    prompt's last token (where the model is about to state the fact)."""
-    prefix = fmt.prefix(tokenizer)
-    prompt = fmt.prompt(tokenizer, example.question)
-    last = len(prefix) + len(tokenizer.encode(prompt, add_special_tokens=False)) - 1
-    if example.subject is None:
-        return last
-    end = prompt.index(example.subject) + len(example.subject)  # Example checks the subject is in the question
-    at = len(prefix) + len(tokenizer.encode(prompt[:end], add_special_tokens=False)) - 1
-    return max(len(prefix), min(at, last))
 
 
 @dataclass
