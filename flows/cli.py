@@ -224,6 +224,7 @@ def bench(
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
     ablation: Annotated[bool, typer.Option(help="Instead of the methods: the closed form's design choices, one "
                                                 "row each (flows/ablation.py).")] = False,
+    rows: Annotated[str | None, typer.Option(help="With --ablation: comma-separated row names (default all).")] = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -232,7 +233,8 @@ def bench(
 
     setup_logging(True)
     if ablation:
-        _ablation_table(home, benchmark, split, authors, as_json)
+        chosen = tuple(r.strip() for r in rows.split(",") if r.strip()) if rows else None
+        _ablation_table(home, benchmark, split, authors, as_json, chosen)
         return
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
                        tuple(q.strip() for q in quantizers.split(",") if q.strip()),
@@ -256,10 +258,11 @@ def bench(
     emit(result, as_json, table)
 
 
-def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool) -> None:
+def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool,
+                    rows: tuple[str, ...] | None = None) -> None:
     from flows.ablation import run_ablation
 
-    result = run_ablation(home, benchmark, split, authors=authors)
+    result = run_ablation(home, benchmark, split, rows, authors=authors)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
     for column in ("row", "seconds", "layers", "logit drop asked / got", *columns):

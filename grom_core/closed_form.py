@@ -73,8 +73,8 @@ class GromParams(Params):
             targets.word_start_mask).
         keys: where forget keys are taken: "answer" (every supervised answer position), "subject" (the last token
             of each example's subject, asked to lower the answer's first token there: where a model holds what it
-            knows about the subject, ROME's finding) or "subject+answer" (both). Examples without a subject keep
-            their answer positions.
+            knows about the subject, ROME's finding), "subject+answer" (both), or "auto": "subject" when the forget
+            data names subjects, else "answer". Examples without a subject keep their answer positions.
         w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
         relative_ridge: mu as a fraction of the mean retain key energy, mu = relative_ridge * w_retain * tr(G_r) /
             (r n), so the same value suits any model width and key scale.
@@ -95,7 +95,7 @@ class GromParams(Params):
     threshold: float = 0.5
     smoothing: float = 1.0
     word_starts_only: bool = False
-    keys: str = "answer"
+    keys: str = "auto"
     w_forget: float = 1.0
     w_retain: float = 10.0
     relative_ridge: float = 1e-3
@@ -109,8 +109,8 @@ class GromParams(Params):
     def validate(self) -> None:
         if self.target not in ("suppress", "corrupt"):
             raise ParamsError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
-        if self.keys not in ("answer", "subject", "subject+answer"):
-            raise ParamsError(f"keys must be 'answer', 'subject' or 'subject+answer', got '{self.keys}'")
+        if self.keys not in ("auto", "answer", "subject", "subject+answer"):
+            raise ParamsError(f"keys must be 'auto', 'answer', 'subject' or 'subject+answer', got '{self.keys}'")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
         if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
@@ -208,10 +208,12 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
             f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
             f"(numerically a no-op), or set edit_lm_head=False")
     forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
-    if params.keys != "answer":
-        if all(ex.subject is None for ex in forget_ex):
-            raise DataError(f"keys='{params.keys}' needs forget examples that name their subject (a 'subject' column)")
-        forget_batches = mark_subjects(tokenizer, forget_ex, forget_batches, fmt, answers=params.keys != "subject")
+    named = any(ex.subject is not None for ex in forget_ex)
+    keys = ("subject" if named else "answer") if params.keys == "auto" else params.keys
+    if keys != "answer":
+        if not named:
+            raise DataError(f"keys='{keys}' needs forget examples that name their subject (a 'subject' column)")
+        forget_batches = mark_subjects(tokenizer, forget_ex, forget_batches, fmt, answers=keys != "subject")
     retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
                                   first_id=len(forget_ex), fmt=fmt, by_length=True)  # only summed: any order
     vocab = weight_out_in(adapter.lm_head).shape[0]

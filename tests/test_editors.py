@@ -164,5 +164,7 @@ def test_grom_keys_at_subjects(trained):
     assert both["model.layers.1.mlp.down_proj"].keys.shape[1] == answers + len(forget)
     with pytest.raises(DataError, match="name their subject"):
         run_grom(model, tokenizer, FORGET[:2], RETAIN, params)
+    auto = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="auto")).records
+    assert torch.equal(auto["model.layers.1.mlp.down_proj"].positions, record.positions)  # subjects named: used
     with pytest.raises(ParamsError, match="keys must be"):
         GromParams(keys="question").validate()
