@@ -17,7 +17,7 @@ from tasks.steps import load_for_edit
 def test_countryinfo_is_read_from_the_pinned_package():
     countries = {c["entity"]: c for c in minirwku.read_countries()}
     assert len(countries) >= 240
-    assert countries["France"] == {"entity": "France", "capital": "Paris", "continent": "Europe"}
+    assert countries["France"] == {"entity": "France", "capital": "Paris", "continent": "Europe", "demonym": "French"}
     assert countries["Brazil"]["continent"] is None  # "Americas" is no continent name: no probe asks it
 
 
