@@ -19,9 +19,7 @@ from grom_core.editors.facts import (
     capture_at,
     chosen_layers,
     covariance,
-    encode_facts,
-    key_covariances,
-    optimise_values,
+    start_edit,
 )
 from grom_core.profiling import Timings
 
@@ -41,15 +39,11 @@ def edit_band(model, tokenizer, forget, retain, params: EditorParams, context, m
     adapter = context.adapter or ModelAdapter.for_model(model)
     layers = chosen_layers(params, adapter, *BAND)
     modules = [adapter.down_proj_names[layer] for layer in layers]
-    with clock.stage("prepare"):
-        facts = encode_facts(tokenizer, forget, params, context.prompt_format)
-    with clock.stage("retain_statistics"):
-        stats, reused, fingerprint = key_covariances(model, tokenizer, forget, retain, modules, params, adapter,
-                                                     context)
+    start = start_edit(model, tokenizer, forget, retain, params, context, adapter, layers, clock)
+    facts, stats, info = start.facts, start.stats, start.info
     last = adapter.block_names[layers[-1]]
-    with clock.stage("values"):
-        delta, info = optimise_values(model, adapter, facts, layers[-1], params)
-        targets = capture_at(model, facts.batches, facts.masks, outputs=[last])[last] + delta  # (N, hidden)
+    with clock.stage("targets"):
+        targets = capture_at(model, facts.batches, facts.masks, outputs=[last])[last] + start.delta  # (N, hidden)
     deltas: dict[str, ModuleDelta] = {}
     with clock.stage("solve"):
         for i, (layer, name) in enumerate(zip(layers, modules, strict=True)):
@@ -62,8 +56,8 @@ def edit_band(model, tokenizer, forget, retain, params: EditorParams, context, m
             deltas[name] = ModuleDelta.from_factors(name, left, right)
             log.info("%s: layer %d solved, %d facts, mean residual %.3g", method, layer, residuals.shape[1],
                      float(residuals.norm(dim=0).mean()))
-    edit = Edit(deltas=deltas, base_fingerprint=fingerprint, params={"method": method, **params.to_dict()},
+    edit = Edit(deltas=deltas, base_fingerprint=start.fingerprint, params={"method": method, **params.to_dict()},
                 metadata={"layers": layers, "modules": modules, "forget_examples": len(facts.examples),
                           "value_steps": info["steps"], "facts_above_target": info["facts_above"]})
     return MethodRun(edit=edit, steps=info["steps"], layers=tuple(layers), retain_stats=stats,
-                     reused_stats=tuple(reused), timings_s=clock.seconds)
+                     reused_stats=tuple(start.reused), timings_s=clock.seconds)

@@ -275,6 +275,34 @@ def key_covariances(model: nn.Module, tokenizer, forget, retain, modules: Sequen
     return stats, reused, prep.fingerprint
 
 
+@dataclass
+class EditorStart:
+    """What every editor computes before its update: the facts, the retain statistics of the edited modules (and
+    which came from the cache), the model's fingerprint, and delta (N, out) at the last edited layer."""
+
+    facts: Facts
+    stats: dict[str, GramStats]
+    reused: list[str]
+    fingerprint: str
+    delta: torch.Tensor
+    info: dict
+
+
+def start_edit(model: nn.Module, tokenizer, forget, retain, params: EditorParams, context, adapter: ModelAdapter,
+               layers: Sequence[int], clock) -> EditorStart:
+    """The shared stages (timed on `clock`): encode the facts, the retain statistics of `layers`' down-projections,
+    v* at the last of `layers`."""
+    modules = [adapter.down_proj_names[layer] for layer in layers]
+    with clock.stage("prepare"):
+        facts = encode_facts(tokenizer, forget, params, context.prompt_format)
+    with clock.stage("retain_statistics"):
+        stats, reused, fingerprint = key_covariances(model, tokenizer, forget, retain, modules, params, adapter,
+                                                     context)
+    with clock.stage("values"):
+        delta, info = optimise_values(model, adapter, facts, layers[-1], params)
+    return EditorStart(facts, stats, reused, fingerprint, delta, info)
+
+
 def covariance(stats: GramStats) -> torch.Tensor:
     """C = E[k k^T] (in, in) float64 over the retain positions."""
     if stats.count == 0:

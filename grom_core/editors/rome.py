@@ -12,9 +12,7 @@ from grom_core.editors.facts import (
     capture_at,
     chosen_layers,
     covariance,
-    encode_facts,
-    key_covariances,
-    optimise_values,
+    start_edit,
 )
 from grom_core.editors.updates import rome_updates
 from grom_core.params import ParamsError
@@ -46,21 +44,18 @@ def run(model, tokenizer, forget, retain, params: RomeParams, context):
     adapter = context.adapter or ModelAdapter.for_model(model)
     layer = chosen_layers(params, adapter, LAYER, LAYER)[0]
     name = adapter.down_proj_names[layer]
-    with clock.stage("prepare"):
-        facts = encode_facts(tokenizer, forget, params, context.prompt_format)
-    with clock.stage("retain_statistics"):
-        stats, reused, fingerprint = key_covariances(model, tokenizer, forget, retain, [name], params, adapter,
-                                                     context)
-    with clock.stage("values"):
-        delta, info = optimise_values(model, adapter, facts, layer, params)
+    start = start_edit(model, tokenizer, forget, retain, params, context, adapter, [layer], clock)
+    facts, stats, delta, info = start.facts, start.stats, start.delta, start.info
+    with clock.stage("keys"):
         keys = capture_at(model, facts.batches, facts.masks, inputs=[name])[name]  # (N, in)
     with clock.stage("solve"):
         cov = covariance(stats[name])
         ridge = params.relative_ridge * float(cov.diagonal().mean())
         left, right = rome_updates(keys.T, delta.T, cov, ridge)  # v* - W k = delta: the residual of each fact
-    edit = Edit(deltas={name: ModuleDelta.from_factors(name, left, right)}, base_fingerprint=fingerprint,
+    edit = Edit(deltas={name: ModuleDelta.from_factors(name, left, right)}, base_fingerprint=start.fingerprint,
                 params={"method": "rome", **params.to_dict()},
                 metadata={"layers": [layer], "modules": [name], "forget_examples": len(facts.examples),
                           "value_steps": info["steps"], "facts_above_target": info["facts_above"]})
-    return MethodRun(edit=edit, steps=info["steps"], layers=(layer,), retain_stats=stats, reused_stats=tuple(reused),
+    return MethodRun(edit=edit, steps=info["steps"], layers=(layer,), retain_stats=stats,
+                     reused_stats=tuple(start.reused),
                      timings_s=clock.seconds)
