@@ -12,6 +12,7 @@ from flows import service_cli
 from flows.console import (
     HomeOpt,
     JsonOpt,
+    MethodOpt,
     before_after_table,
     emit,
     err,
@@ -36,8 +37,6 @@ def _root() -> None:
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
-MethodOpt = Annotated[str, typer.Option(help="Unlearning method: " + "; ".join(
-    f"{m.name} ({m.summary})" for m in METHODS.values()) + ".")]
 ComposeOpt = Annotated[str | None, typer.Option(help="Gradient composition of a gradient method: sum, pcgrad or sago "
                                                      "(sets its `compose` parameter).")]
 ParamsOpt = Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 60}; unknown '

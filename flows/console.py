@@ -14,11 +14,14 @@ from rich.table import Table
 
 from flows.formatting import fmt, quantization_columns
 from grom_core.errors import DataError
+from grom_core.methods import METHODS
 
 err = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 HomeOpt = Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")]
+MethodOpt = Annotated[str, typer.Option(help="Unlearning method: " + "; ".join(
+    f"{m.name} ({m.summary})" for m in METHODS.values()) + ".")]
 
 
 def setup_logging(verbose: bool) -> None:

@@ -25,7 +25,6 @@ from flows.unlearn import commit, compute, register_outcome, run_timings
 from flows.workspace import Workspace
 from grom_core.errors import DataError, FingerprintMismatchError
 from grom_core.gates import Gates
-from grom_core.methods import DEFAULT_METHOD
 from grom_core.profiling import Timings
 from tasks import requests as queue
 from tasks import steps
@@ -86,7 +85,7 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     evaluation = dict(service.evaluation)
     quantizers = evaluation.pop("quantizers", None)
     outcome = compute(timings, ws, model=loaded, forget=str(batch), retain=service.retain_path,
-                      method=DEFAULT_METHOD, params=service.params, evaluation=None, quantizers=quantizers,
+                      method=service.method, params=service.params, evaluation=None, quantizers=quantizers,
                       max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format)
     reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized)
     promoted = not reasons

@@ -44,8 +44,9 @@ def _catalog(ws: Workspace) -> Catalog:
 
 def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,
                    params: dict | None = None, gates: dict | None = None, evaluation: dict | None = None,
-                   prompt_format: str = "qa") -> dict:
-    """Register a base model in MLflow as a service that answers deletion requests.
+                   prompt_format: str = "qa", method: str = DEFAULT_METHOD) -> dict:
+    """Register a base model in MLflow as a service that answers deletion requests with `method` (a name in
+    grom_core.methods.METHODS) and its `params`.
 
     The retain data is copied into the lake (Parquet) so later runs do not depend on the file staying put. When
     the registered model has no version in service yet, the `serving` alias points at the new version.
@@ -53,7 +54,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     ws = Workspace.resolve(home)
     from flows.preflight import preflight
 
-    params = preflight(model, None, retain, DEFAULT_METHOD, params).to_dict()
+    params = preflight(model, None, retain, method, params).to_dict()
     prompt_format = data_prompt_format(prompt_format).name
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
@@ -72,7 +73,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     previous = serving_version(ws.root, name)
     promoted = previous is None
     service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest, params=params,
-                            gates=gates, evaluation=evaluation, prompt_format=prompt_format)
+                            gates=gates, evaluation=evaluation, prompt_format=prompt_format, method=method)
     with transaction():  # a failed catalog commit deletes the version and moves the alias back
         registration = register(ws.root, run_name=f"register-{name}", model_name=name,
                                 params={"model_dir": str(model_path), "retain": str(retain)}, metrics={},
@@ -86,17 +87,18 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     return {"model_name": name, "version": registration.version, "serving": promoted,
             "serving_version": registration.version if promoted else previous, "fingerprint": fingerprint,
             "retain": str(retain_path), "retain_examples": len(rows), "gates": gates, "evaluation": evaluation,
-            "prompt_format": prompt_format,
+            "prompt_format": prompt_format, "method": method,
             "mlflow_run_id": registration.run_id}
 
 
 def register_benchmark_model(benchmark: str, *, name: str | None = None, home: str | None = None,
                              params: dict | None = None, gates: dict | None = None,
-                             evaluation: dict | None = None, authors: int | None = None) -> dict:
+                             evaluation: dict | None = None, authors: int | None = None,
+                             method: str = DEFAULT_METHOD) -> dict:
     """The demo service: a shipped benchmark's target model (built and cached like `grom demo` does) with the
-    retain split of its default forget split.
+    retain split of its default forget split, answering requests with `method`.
 
-    GROM's default parameters, not the benchmark's preset: the preset is tuned to forget minitofu's forget10
+    The method's default parameters, not the benchmark's preset: the preset is tuned to forget minitofu's forget10
     (5 authors at once) and over-forgets on a request of one or two authors (retain ROUGE-L kept 0.867 of its
     value on two authors, which fails the gates), while the defaults keep 0.927 and pass."""
     from flows.evaluation import build_benchmark, sized_config
@@ -104,7 +106,7 @@ def register_benchmark_model(benchmark: str, *, name: str | None = None, home: s
     built = build_benchmark(benchmark, None, home, None, config=sized_config(benchmark, authors))
     _, retain = built.unlearning_files()
     return register_model(str(built.models["target"]), str(retain), name=name or f"grom-{benchmark}", home=home,
-                          params=params, gates=gates, evaluation=evaluation)
+                          params=params, gates=gates, evaluation=evaluation, method=method)
 
 
 def _run_row(registration: Registration, flow: str, fingerprint: str, model_dir: str, **extra) -> dict:

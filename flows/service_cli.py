@@ -13,6 +13,7 @@ from rich.table import Table
 from flows.console import (
     HomeOpt,
     JsonOpt,
+    MethodOpt,
     emit,
     err,
     json_option,
@@ -23,6 +24,7 @@ from flows.console import (
 )
 from flows.formatting import fmt
 from grom_core.errors import GromError
+from grom_core.methods import DEFAULT_METHOD
 
 model_app = typer.Typer(no_args_is_help=True, help="Models: fetch a shipped one, import a GGUF file, register one "
                                                    "that answers deletion requests.")
@@ -120,7 +122,8 @@ def model_register(
                                                        "default forget split instead of --model/--retain.")] = None,
     gates: Annotated[str | None, typer.Option(help='Gate thresholds as JSON, e.g. {"max_forget_rougeL_recall": '
                                                    '0.4}.')] = None,
-    params: Annotated[str | None, typer.Option(help='GROM parameters as JSON, e.g. {"beta": 80}.')] = None,
+    method: MethodOpt = DEFAULT_METHOD,
+    params: Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 80}.')] = None,
     evaluation: Annotated[str | None, typer.Option(help='Evaluation settings as JSON: {"max_examples": 200, '
                                                         '"quantizers": ["fp4", "nf4"]}.')] = None,
     prompt_format: Annotated[str, typer.Option(help="How the service's QA pairs become text: qa, completion (a "
@@ -133,7 +136,7 @@ def model_register(
 
     setup_logging(True)
     options = {"gates": json_option(gates, "--gates"), "params": json_option(params, "--params"),
-               "evaluation": json_option(evaluation, "--evaluation")}
+               "evaluation": json_option(evaluation, "--evaluation"), "method": method}
     if benchmark:
         result = register_benchmark_model(benchmark, name=name, home=home, **options)  # its own format: qa
     elif model and retain:

@@ -61,6 +61,8 @@ SCHEMA = [
         evaluation JSON, created_at TIMESTAMP)""",
     # how a service's data becomes text (grom_core.data.PROMPT_FORMATS)
     "ALTER TABLE services ADD COLUMN IF NOT EXISTS prompt_format VARCHAR DEFAULT 'qa'",
+    # the unlearning method that answers a service's requests (grom_core.methods.METHODS)
+    "ALTER TABLE services ADD COLUMN IF NOT EXISTS method VARCHAR DEFAULT 'grom'",
 ]
 
 LOCK_TIMEOUT_ENV = "GROM_CATALOG_LOCK_TIMEOUT_S"

@@ -34,8 +34,8 @@ COLUMNS = ("request_id", "status", "model_name", "dataset_digest", "n_examples",
 
 @dataclass(frozen=True)
 class Service:
-    """A registered model that answers deletion requests: its retain data, GROM parameters, gates, evaluation,
-    and how its data's QA pairs become text (the requests' and the retain data's)."""
+    """A registered model that answers deletion requests: its retain data, the unlearning method and its
+    parameters, gates, evaluation, and how its data's QA pairs become text (the requests' and the retain data's)."""
 
     model_name: str
     retain_path: str
@@ -44,14 +44,16 @@ class Service:
     gates: dict
     evaluation: dict
     prompt_format: str = "qa"
+    method: str = "grom"
 
 
 def save_service(con, service: Service) -> None:
     con.execute("DELETE FROM services WHERE model_name = ?", [service.model_name])
     con.execute("INSERT INTO services (model_name, retain_path, retain_digest, params, gates, evaluation, created_at, "
-                "prompt_format) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "prompt_format, method) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [service.model_name, service.retain_path, service.retain_digest, json.dumps(service.params),
-                 json.dumps(service.gates), json.dumps(service.evaluation), now(), service.prompt_format])
+                 json.dumps(service.gates), json.dumps(service.evaluation), now(), service.prompt_format,
+                 service.method])
 
 
 def get_service(catalog: Catalog, model_name: str | None = None) -> Service:
@@ -69,7 +71,8 @@ def get_service(catalog: Catalog, model_name: str | None = None) -> Service:
     row = rows[0]
     return Service(model_name=row["model_name"], retain_path=row["retain_path"], retain_digest=row["retain_digest"],
                    params=json.loads(row["params"]), gates=json.loads(row["gates"]),
-                   evaluation=json.loads(row["evaluation"]), prompt_format=row.get("prompt_format") or "qa")
+                   evaluation=json.loads(row["evaluation"]), prompt_format=row.get("prompt_format") or "qa",
+                   method=row.get("method") or "grom")
 
 
 def _event(con, request_id: int, status: str, detail: str = "") -> None:

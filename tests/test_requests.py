@@ -425,6 +425,29 @@ def test_a_service_keeps_its_prompt_format(trained_dir, data, tmp_path, capsys, 
     assert queue.get_service(Catalog(home / "catalog.duckdb"), "svc").prompt_format == "completion"
 
 
+def test_a_service_answers_with_its_own_method(trained_dir, data, tmp_path, capsys, monkeypatch):
+    home = tmp_path / "ws"
+    h = ("--home", str(home))
+    register = ("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc", *h)
+    # a method that does not exist, or parameters another method takes, are refused before anything is written
+    code, _, err = grom(capsys, monkeypatch, *register, "--method", "rom")
+    assert code == 2 and "rom" in err and "Traceback" not in err and not (home / "catalog.duckdb").exists()
+    code, _, err = grom(capsys, monkeypatch, *register, "--method", "rome", "--params", '{"beta": 80}')
+    assert code == 2 and "beta" in err and not (home / "catalog.duckdb").exists()
+    registered = grom_json(capsys, monkeypatch, *register, "--method", "rome", "--evaluation",
+                           json.dumps({"quantizers": []}))
+    assert registered["method"] == "rome"
+    catalog = Catalog(home / "catalog.duckdb")
+    assert queue.get_service(catalog, "svc").method == "rome"
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], *h)
+    done = grom_json(capsys, monkeypatch, "request", "process", *h)
+    assert done["processed"] == [1] and done["version"] == "2"
+    runs = catalog.query("SELECT method FROM runs WHERE flow = ?", ["process-deletion-requests"])
+    assert [r["method"] for r in runs] == ["rome"]
+    after, before = done["metrics"]["after"], done["metrics"]["before"]
+    assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
+
+
 def test_read_only_workspace_is_a_one_line_error(tmp_path, data, capsys, monkeypatch):
     if os.geteuid() == 0:  # root writes through permission bits: use a file system that refuses everyone
         home = Path("/sys/grom-workspace")
