@@ -53,10 +53,20 @@ ABLATIONS: tuple[Ablation, ...] = (
              lambda p: {"strategy": "parallel"}),
     Ablation("weak retain constraint", "w_retain 1 instead of the parameters' value", lambda p: {"w_retain": 1.0}),
     Ablation("ridge x100", "a hundred times the relative ridge", lambda p: {"relative_ridge": p.relative_ridge * 100}),
-    Ablation("keys at answers", "forget keys at the answer positions, not at the subjects the data names",
-             lambda p: {"keys": "answer"}, ("suppress",), subjects=True),
+    Ablation("keys at answers", "forget keys at the answer positions (where the answers restate their subject, as the "
+             "defaults do)", lambda p: {"keys": "answer"}, ("suppress",), subjects=True),
+    Ablation("keys at subjects", "forget keys at the subjects' last tokens (where the answers are bare objects, as "
+             "the defaults do)", lambda p: {"keys": "subject"}, ("suppress",), subjects=True),
     Ablation("keys at subjects and answers", "forget keys at the subjects' last tokens and the answer positions",
              lambda p: {"keys": "subject+answer"}, ("suppress",), subjects=True),
+    Ablation("specificity drops", "beta * a(y) at every answer position, not the counterfactual gaps",
+             lambda p: {"drops": "specificity"}, ("suppress",), subjects=True),
+    Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p: {"gain": p.gain / 2}, ("suppress",),
+             subjects=True),
+    Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p: {"gain": p.gain * 2}, ("suppress",),
+             subjects=True),
+    Ablation("every layer", "the band is every layer of the model", lambda p: {"band_width": 10_000,
+                                                                               "late_fraction": 1.0}),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
              lambda p: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
 )

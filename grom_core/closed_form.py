@@ -15,7 +15,9 @@ original keys with an equal share of the drop: one pass instead of one per modul
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from grom_core.adapter import ModelAdapter, get_module, weight_out_in
 from grom_core.capture import collect
+from grom_core.counterfactual import counterfactual_drops
 from grom_core.data import (
     Batch,
     Example,
@@ -41,6 +44,7 @@ from grom_core.influence import InfluenceReport, influence_report
 from grom_core.layers import LayerScores, choose_band, score_layers
 from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
+from grom_core.scoring import answer_nll
 from grom_core.solver import solve_factors
 from grom_core.statistics import GramStats, StatsComputer, StatsStore, accumulate
 from grom_core.targets import (
@@ -67,14 +71,31 @@ class GromParams(Params):
         edit_lm_head: also edit the LM head (suppression targets only).
         target: "suppress" (lower the gold tokens' logits; generation benchmarks) or "corrupt" (move the layer
             output to a random direction; multiple-choice benchmarks).
+        drops: how much each forget position's gold token is lowered: "specificity" (beta * a(y_t), a the token's
+            forget-specificity, see targets.specificity_weights), "counterfactual" (gain times the log-odds gap to
+            what the model predicts when the subject is replaced by invented names, see grom_core.counterfactual;
+            needs subjects and answer keys), or "auto": "counterfactual" where the forget data names subjects and
+            the keys are the answers, else "specificity".
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
+        gain: counterfactual drops: multiple of the gap asked for (> 1 so that phrasings the edit never sees move).
+        counterfactuals: counterfactual drops: invented names per example (their predictions are averaged).
+        min_gap: counterfactual drops: positions whose gap (before the gain) is smaller, in nats of log-odds, are
+            not forget keys: the model rates their token about as it would for anyone.
+        retain_budget: counterfactual drops: the largest mean increase of the retain answers' token NLL (nats per
+            token, on `budget_examples` retain rows drawn with `seed`) the edit may cause; a larger edit is scaled
+            down (alpha * P for every module, found by bisection on forward passes) until it fits. How far `gain`
+            can go depends on how entangled the forget facts are with the retain ones; the budget finds out on the
+            data. None: no limit.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
         keys: where forget keys are taken: "answer" (every supervised answer position), "subject" (the last token
             of each example's subject, asked to lower the answer's first token there: where a model holds what it
-            knows about the subject, ROME's finding), "subject+answer" (both), or "auto": "subject" when the forget
-            data names subjects, else "answer". Examples without a subject keep their answer positions.
+            knows about the subject, ROME's finding), "subject+answer" (both), or "auto": "subject" where the forget
+            data names subjects and its answers are the bare objects ("Paris" for "The capital of France is"),
+            "answer" where the answers restate their subject (QA sentences, which carry the fact along the answer,
+            where the counterfactual drops find it) or no subject is named. Examples without a subject keep their
+            answer positions.
         w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
         relative_ridge: mu as a fraction of the mean retain key energy, mu = relative_ridge * w_retain * tr(G_r) /
             (r n), so the same value suits any model width and key scale.
@@ -90,7 +111,13 @@ class GromParams(Params):
     late_fraction: float = 0.75
     edit_lm_head: bool = True
     target: str = "suppress"
+    drops: str = "auto"
     beta: float = 40.0
+    gain: float = 6.0
+    counterfactuals: int = 4
+    min_gap: float = 0.5
+    retain_budget: float | None = 0.05
+    budget_examples: int = 64
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
@@ -111,6 +138,12 @@ class GromParams(Params):
             raise ParamsError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
         if self.keys not in ("auto", "answer", "subject", "subject+answer"):
             raise ParamsError(f"keys must be 'auto', 'answer', 'subject' or 'subject+answer', got '{self.keys}'")
+        if self.drops not in ("auto", "specificity", "counterfactual"):
+            raise ParamsError(f"drops must be 'auto', 'specificity' or 'counterfactual', got '{self.drops}'")
+        if self.gain <= 0 or self.counterfactuals < 1 or self.min_gap < 0:
+            raise ParamsError("need gain > 0, counterfactuals >= 1 and min_gap >= 0")
+        if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
+            raise ParamsError("need retain_budget > 0 (or None) and budget_examples >= 1")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
         if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
@@ -192,6 +225,9 @@ class Prepared:
     forget_digest: str
     retain_digest: str
     stats_digest: str  # what the retain statistics depend on: the retain data, max_length and the prompt format
+    drops: torch.Tensor | None = None  # (s,) counterfactual drops per forget position; None: beta * weights
+    drops_kind: str = "specificity"
+    retain_sample: list[Batch] | None = None  # where the retain budget is measured (counterfactual drops only)
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -209,10 +245,9 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
             f"(numerically a no-op), or set edit_lm_head=False")
     forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     named = any(ex.subject is not None for ex in forget_ex)
-    keys = ("subject" if named else "answer") if params.keys == "auto" else params.keys
+    restated = any(ex.subject is not None and ex.subject in ex.answer for ex in forget_ex)
+    keys, drops_kind = resolve_keys_and_drops(params, named, restated)
     if keys != "answer":
-        if not named:
-            raise DataError(f"keys='{keys}' needs forget examples that name their subject (a 'subject' column)")
         forget_batches = mark_subjects(tokenizer, forget_ex, forget_batches, fmt, answers=keys != "subject")
     retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
                                   first_id=len(forget_ex), fmt=fmt, by_length=True)  # only summed: any order
@@ -222,13 +257,44 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                                   smoothing=params.smoothing)
     if params.word_starts_only:
         weights = weights * word_start_mask(tokenizer, vocab)
+    drops, retain_sample = None, None
+    if drops_kind == "counterfactual":
+        everything = [*forget_ex, *retain_ex]
+        text = " ".join(str(v) for ex in everything for v in ex.record().values())
+        pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
+        found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
+                                     gain=params.gain, min_gap=params.min_gap, seed=params.seed,
+                                     batch_size=params.batch_size, max_length=params.max_length, avoid=text,
+                                     pool=pool)
+        forget_batches, drops = found.batches, found.drops
+        if params.retain_budget is not None:
+            rng = random.Random(params.seed)
+            sample = rng.sample(retain_ex, min(params.budget_examples, len(retain_ex)))
+            retain_sample = make_batches(tokenizer, sample, params.batch_size, params.max_length, fmt=fmt)
+        log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
+                 drops.numel(), found.positions_before, params.min_gap, float(drops.mean()), found.rewrites)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
-                    retain_batches=retain_batches, weights=weights,
+                    retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
+                    retain_sample=retain_sample,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
                                                "prompt_format": fmt.name}]))
+
+
+def resolve_keys_and_drops(params: GromParams, named: bool, restated: bool = False) -> tuple[str, str]:
+    """(keys, drops) with "auto" resolved for forget data that does (`named`) or does not name its subjects, and
+    whose answers do (`restated`) or do not repeat them."""
+    keys = ("subject" if named and not restated else "answer") if params.keys == "auto" else params.keys
+    if keys != "answer" and not named:
+        raise DataError(f"keys='{keys}' needs forget examples that name their subject (a 'subject' column)")
+    fits = named and keys == "answer" and params.target == "suppress"
+    drops = ("counterfactual" if fits else "specificity") if params.drops == "auto" else params.drops
+    if drops == "counterfactual" and not fits:
+        raise DataError("drops='counterfactual' needs forget examples that name their subject, keys='answer' and "
+                        "target='suppress'")
+    return keys, drops
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
@@ -302,8 +368,14 @@ def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
 def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str], stats: dict[str, GramStats],
           params: GromParams, scores: LayerScores | None = None) -> tuple[Edit, dict[str, SolveRecord]]:
     """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
-    solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers)
+    solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
+                               prep.drops)
     deltas, records = solver.solve(modules)
+    fit = None
+    if prep.retain_sample is not None and params.retain_budget is not None:
+        fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
+        deltas = {name: delta.scaled(fit.scale) for name, delta in deltas.items()}
+        records = {name: dataclasses.replace(rec, targets=rec.targets * fit.scale) for name, rec in records.items()}
     edit = Edit(deltas=deltas, base_fingerprint=prep.fingerprint, params={**params.to_dict(), "method": "grom"},
                 metadata={"layers": layers, "modules": modules, "retain_digest": prep.retain_digest,
                           "forget_digest": prep.forget_digest, "forget_examples": len(prep.forget),
@@ -311,8 +383,46 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
                           "forget_positions": int(next(iter(records.values())).keys.shape[1]),
                           "retain_positions": {m: stats[m].count for m in modules},
                           "layer_scores": scores.as_rows() if scores is not None else None,
-                          "logit_drop": solver.achieved})
+                          "logit_drop": solver.achieved, "drops": prep.drops_kind,
+                          "retain_budget": dataclasses.asdict(fit) if fit else None})
     return edit, records
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """The scale alpha given to every module's update, and the retain damage (mean increase of the sampled retain
+    answers' token NLL, nats) at alpha = 1 and at the chosen alpha."""
+
+    scale: float
+    damage_unscaled: float
+    damage: float
+
+
+def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta], budget: float,
+                  steps: int = 7) -> BudgetFit:
+    """The largest alpha in [0, 1] (bisection, `steps` halvings) whose update alpha * P raises the retain sample's
+    mean token NLL by at most `budget` nats; the model is left unchanged."""
+    base = answer_nll(model, sample)
+
+    def damage(alpha: float) -> float:
+        edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
+        with edit.applied(model, verify=False):
+            return float((answer_nll(model, sample) - base).mean())
+
+    full = damage(1.0)
+    if full <= budget:
+        return BudgetFit(scale=1.0, damage_unscaled=full, damage=full)
+    low, high, at_low = 0.0, 1.0, 0.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        got = damage(mid)
+        low, high, at_low = (mid, high, got) if got <= budget else (low, mid, at_low)
+    if low == 0.0:
+        log.warning("the retain budget (%.3g nats) allows no edit at all: the forget and retain facts are too "
+                    "entangled for this gain; raise retain_budget or lower gain", budget)
+    log.info("retain budget %.3g: update scaled by %.3f (retain damage %.4f, %.4f unscaled)", budget, low, at_low,
+             full)
+    return BudgetFit(scale=low, damage_unscaled=full, damage=at_low)
 
 
 def audit(records: dict[str, SolveRecord], stats: dict[str, GramStats], params: GromParams
@@ -380,8 +490,9 @@ class _SequentialSolver:
     """Solves the modules lowest layer first (or all at once for strategy="parallel")."""
 
     def __init__(self, model, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
-                 params: GromParams, stats: dict[str, GramStats], layers: list[int]) -> None:
-        self.model, self.adapter, self.batches = model, adapter, forget_batches
+                 params: GromParams, stats: dict[str, GramStats], layers: list[int],
+                 drops: torch.Tensor | None = None) -> None:
+        self.model, self.adapter, self.batches, self.drops = model, adapter, forget_batches, drops
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
         self.achieved: dict[str, float] = {}
 
@@ -402,7 +513,9 @@ class _SequentialSolver:
         params, adapter = self.params, self.adapter
         base = self._collect(modules, None)
         tokens = base.next_tokens.cpu()
-        desired = suppression_drops(tokens, self.weights, params.beta)
+        desired = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, params.beta)
+        if desired.numel() != tokens.numel():  # the drops were computed on other batches than the keys
+            raise RuntimeError(f"{desired.numel()} drops for {tokens.numel()} forget positions")
         logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], tokens)
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}

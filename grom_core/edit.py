@@ -13,6 +13,7 @@ cast(W' - P) and patches those entries, which gives the original bits back witho
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -77,6 +78,12 @@ class ModuleDelta:
     @property
     def factored(self) -> bool:
         return self.dense is None
+
+    def scaled(self, alpha: float) -> ModuleDelta:
+        """alpha * P, with the same storage."""
+        if self.factored:
+            return dataclasses.replace(self, left=self.left * alpha)
+        return dataclasses.replace(self, dense=self.dense * alpha)
 
     @property
     def rank_bound(self) -> int:

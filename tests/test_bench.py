@@ -41,16 +41,19 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     from grom_core.closed_form import GromParams
 
     tmp_path = small_workspace / "ws"
-    result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "beta x2"),
-                          authors=10)
+    result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "gain x2",
+                                                            "keys at answers"), authors=10)
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == ["benchmark parameters", "library defaults", "beta x2"]
+    assert list(rows) == ["benchmark parameters", "library defaults", "gain x2", "keys at answers"]
     assert rows["library defaults"]["params"] == GromParams(influence=False).to_dict()
-    assert rows["beta x2"]["params"]["beta"] == 2 * rows["benchmark parameters"]["params"]["beta"]
+    assert rows["gain x2"]["params"]["gain"] == 2 * rows["benchmark parameters"]["params"]["gain"]
     for row in rows.values():
         assert set(result["columns"]) <= set(row["metrics"]) and row["seconds"] > 0 and row["layers"]
+    # minitofu's rows name their authors and restate them in their answers: counterfactual drops at the answers,
+    # which the row "keys at answers" only spells out
+    assert rows["keys at answers"]["metrics"] == rows["benchmark parameters"]["metrics"]
     # twice the drop asked for forgets at least as much as the parameters it doubles
-    assert (rows["beta x2"]["metrics"]["forget_probability"]
+    assert (rows["gain x2"]["metrics"]["forget_probability"]
             <= rows["benchmark parameters"]["metrics"]["forget_probability"])
     assert len({r.name for r in ABLATIONS}) == len(ABLATIONS)
 

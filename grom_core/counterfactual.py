@@ -1,0 +1,192 @@
+"""Counterfactual drops: how much lower the model would rate each answer token if it had never heard of the subject.
+
+A forget example about subject S ("Aurelio Marlowe") is rewritten with the first word of S replaced by other names
+("Soren Marlowe", ...) that make an entity the data never mentions: what the model predicts there is what it says of
+someone it never knew, the level a model trained without the forget data would give. The names are the first words
+of the data's other multi-word subjects (a plausible name the model has read, in a combination it has not), then
+invented ones (a one-word subject, "France", gets invented names only: another country is one it knows).
+
+At each supervised position t whose next token y_t is also found, aligned, in a rewrite, the closed form is asked
+for the log-odds gap
+
+    drop_t = gain * max(0, logit p(y_t | x_<t) - logit qbar_t),   qbar_t = mean_j p_j(y_t | x'_j, aligned),
+
+with logit(p) = log p - log(1 - p): the logit drop that takes p to qbar exactly (the other tokens keep their
+ratios). Template words, equally likely for any subject, get a gap near 0; the tokens that carry what the model
+knows about S get the gap; the subject's own tokens (copied from the question) are not aligned and get none.
+`gain` > 1 asks for more than the gap at the trained phrasing so that other phrasings of the same fact, whose
+positions the edit never sees, move too.
+
+Tokens are aligned with difflib's matching blocks on the token ids, so an invented name may have another length.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grom_core.capture import model_device, supervised_mask
+from grom_core.data import IGNORE_INDEX, Batch, Example, PromptFormat, make_batches
+from grom_core.errors import DataError
+from grom_core.modes import evaluating
+
+SYLLABLES = ("ka", "lo", "vi", "ren", "dor", "mi", "sa", "tul", "qua", "zen", "bri", "fel", "orn", "ula", "thes",
+             "mar", "ivo", "pel", "cas", "nim")
+
+
+def invented_names(k: int, seed: int, avoid: str) -> list[str]:
+    """`k` distinct invented given names (2-3 syllables, capitalised), none of which occurs in `avoid` (lower
+    case), seeded."""
+    rng = random.Random(seed)
+    names: list[str] = []
+    if k <= 0:
+        return names
+    for _ in range(1000 * k):
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        if name not in names and name.lower() not in avoid:
+            names.append(name)
+        if len(names) == k:
+            return names
+    raise DataError(f"could not invent {k} names absent from the data; lower `counterfactuals`")
+
+
+def replacement_names(subject: str, k: int, seed: int, pool: Sequence[str], avoid: str) -> list[str]:
+    """`k` first words for `subject`: from `pool` (other subjects' first words) where "<word> <rest>" occurs
+    nowhere in `avoid` (lower case), seeded; invented names for the rest, and for a one-word subject."""
+    first, _, rest = subject.partition(" ")
+    chosen: list[str] = []
+    if rest:
+        candidates = sorted({w for w in pool if w != first and f"{w} {rest}".lower() not in avoid})
+        random.Random(f"{seed}:{subject}").shuffle(candidates)
+        chosen = candidates[:k]
+    return chosen + invented_names(k - len(chosen), seed, avoid)
+
+
+def rewrite(example: Example, name: str) -> Example:
+    """The example with its subject's first word replaced by `name` everywhere (question and answer): the same
+    entity kind ("X Marlowe", a country) that the model cannot know."""
+    subject = example.subject
+    if subject is None:
+        raise DataError("a counterfactual needs the example's subject")
+    first, _, rest = subject.partition(" ")
+    other = f"{name} {rest}" if rest else name
+    return Example(question=example.question.replace(subject, other), answer=example.answer.replace(subject, other),
+                   subject=other)
+
+
+def aligned(original: Sequence[int], rewritten: Sequence[int]) -> dict[int, int]:
+    """Index map original -> rewritten for the tokens in matching blocks (the text around the replaced subject)."""
+    out: dict[int, int] = {}
+    matcher = difflib.SequenceMatcher(None, list(original), list(rewritten), autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for i in range(block.size):
+            out[block.a + i] = block.b + i
+    return out
+
+
+@torch.no_grad()
+def next_token_logprobs(model: nn.Module, batches: Sequence[Batch]) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """example id -> (its T token ids, (T - 1,) float64 log p(x_{t+1} | x_<=t) of each real token after the
+    first)."""
+    device = model_device(model)
+    out: dict[int, torch.Tensor] = {}
+    with evaluating(model):
+        for batch in batches:
+            logits = model(input_ids=batch.input_ids.to(device),
+                           attention_mask=batch.attention_mask.to(device)).logits.double()
+            lp = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None].to(device))[..., 0].cpu()
+            lengths = batch.attention_mask.sum(dim=1).tolist()
+            for row, example_id in enumerate(batch.example_ids.tolist()):
+                out[example_id] = (batch.input_ids[row, :lengths[row]].tolist(), lp[row, :lengths[row] - 1])
+    return out
+
+
+def _logit(logp: torch.Tensor) -> torch.Tensor:
+    """log p - log(1 - p) from log p, exact near p = 1."""
+    logp = logp.clamp(max=-1e-12)
+    return logp - torch.log(-torch.expm1(logp))
+
+
+@dataclass
+class CounterfactualDrops:
+    """Per forget position (capture order of `batches`): drops (s,) float64 (gain applied), and the batches with
+    only the positions whose gap reaches `min_gap` left supervised."""
+
+    drops: torch.Tensor
+    batches: list[Batch]
+    positions_before: int
+    rewrites: int
+
+
+def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
+                         fmt: str | PromptFormat, *, k: int, gain: float, min_gap: float, seed: int,
+                         batch_size: int, max_length: int, avoid: str, pool: Sequence[str] = ()
+                         ) -> CounterfactualDrops:
+    """The drops of the module docstring for `examples` (batched as `batches`, in order, by `make_batches`).
+
+    Examples without a subject keep every supervised position with drop 0 there: nothing is asked of them (give
+    subjects, or use the specificity drops). `avoid`: the data's text, which no rewritten subject may occur in;
+    `pool`: the first words of the data's subjects (see `replacement_names`).
+    """
+    avoid = avoid.lower()
+    own = next_token_logprobs(model, batches)
+    named = [i for i, ex in enumerate(examples) if ex.subject is not None]
+    pool = sorted(set(pool))
+    by_subject = {subject: replacement_names(subject, k, seed, pool, avoid)
+                  for subject in dict.fromkeys(examples[i].subject for i in named)}
+    names = {i: by_subject[examples[i].subject] for i in named}
+    rewritten = [rewrite(examples[i], name) for i in named for name in names[i]]
+    theirs = (next_token_logprobs(model, make_batches(tokenizer, rewritten, batch_size, max_length, fmt=fmt))
+              if rewritten else {})
+    drops, kept_batches, before = [], [], 0
+    for batch in batches:
+        labels = batch.labels.clone()
+        mask = supervised_mask(batch)
+        for row, example_id in enumerate(batch.example_ids.tolist()):
+            positions = mask[row].nonzero().flatten().tolist()
+            before += len(positions)
+            gaps = torch.zeros(len(positions), dtype=torch.float64)
+            if examples[example_id].subject is not None:
+                start = named.index(example_id) * k
+                gaps = _gaps(own[example_id], [theirs[start + j] for j in range(k)], positions)
+            for t, gap in zip(positions, gaps.tolist(), strict=True):
+                if gap < min_gap:
+                    labels[row, t + 1] = IGNORE_INDEX
+                else:
+                    drops.append(gain * gap)
+        kept_batches.append(Batch(batch.input_ids, batch.attention_mask, labels, batch.example_ids))
+    if not drops:
+        raise DataError(f"no forget position is rated above what the model says of an unknown subject by "
+                        f"{min_gap:.3g} nats of log-odds or more: the model does not seem to know these facts "
+                        f"(or lower min_gap)")
+    return CounterfactualDrops(drops=torch.tensor(drops, dtype=torch.float64), batches=kept_batches,
+                               positions_before=before, rewrites=len(rewritten))
+
+
+def _gaps(own: tuple[list[int], torch.Tensor], rewrites: Sequence[tuple[list[int], torch.Tensor]],
+          positions: list[int]) -> torch.Tensor:
+    """(len(positions),) max(0, logit p - logit qbar) of one example from its (ids, log-probs) and its rewrites';
+    0 where no rewrite aligns."""
+    ids, own_lp = own
+    probs = torch.zeros(len(positions), dtype=torch.float64)
+    counts = torch.zeros(len(positions), dtype=torch.float64)
+    for other, lp in rewrites:
+        where = aligned(ids, other)
+        for n, t in enumerate(positions):
+            # the next token must be matched; the prediction is read one position before its match
+            b = where.get(t + 1)
+            if b is not None and b >= 1:
+                probs[n] += float(lp[b - 1].exp())
+                counts[n] += 1
+    gaps = torch.zeros(len(positions), dtype=torch.float64)
+    seen = counts > 0
+    if seen.any():
+        qbar = (probs[seen] / counts[seen]).clamp_min(1e-300).log()
+        p = own_lp[torch.tensor(positions)[seen]]
+        gaps[seen] = (_logit(p) - _logit(qbar)).clamp_min(0)
+    return gaps

@@ -1,0 +1,141 @@
+"""Counterfactual drops: names, alignment, the log-odds gap against brute-force forward passes, and the closed form
+that asks for them."""
+
+import math
+
+import pytest
+import torch
+from conftest import AUTHORS, FORGET, RETAIN
+
+from grom_core.closed_form import GromParams, run_grom
+from grom_core.counterfactual import (
+    _logit,
+    aligned,
+    counterfactual_drops,
+    invented_names,
+    replacement_names,
+    rewrite,
+)
+from grom_core.data import Example, encode, make_batches
+from grom_core.errors import DataError
+from grom_core.scoring import answer_nll
+
+NAMES = [a.name for a in AUTHORS]
+
+
+def named(examples):
+    return [Example(question=ex.question, answer=ex.answer, subject=next(n for n in NAMES if n in ex.question))
+            for ex in examples]
+
+
+def test_replacement_names_make_subjects_the_data_never_mentions():
+    text = "aurelio marlowe wrote. basira marlowe lives. corvin okonkwo sings."
+    pool = ["Aurelio", "Basira", "Corvin", "Delphine"]
+    names = replacement_names("Aurelio Marlowe", 3, 0, pool, text)
+    assert names[:2] == sorted(["Corvin", "Delphine"], key=names.index)  # Basira Marlowe exists: not taken
+    assert set(names[:2]) == {"Corvin", "Delphine"} and names[2] not in pool  # then an invented one
+    assert replacement_names("Aurelio Marlowe", 3, 0, pool, text) == names  # seeded
+    one_word = replacement_names("France", 2, 0, ["Spain"], "")
+    assert "Spain" not in one_word and len(set(one_word)) == 2  # a one-word subject gets invented names only
+    invented = invented_names(20, 1, "kalo velkaro")
+    assert len(set(invented)) == 20 and all(n.lower() not in "kalo velkaro" for n in invented)
+    assert rewrite(Example(question="Where was Aurelio Marlowe born?", answer="Aurelio Marlowe was born in Lisbon.",
+                           subject="Aurelio Marlowe"), "Corvin").answer == "Corvin Marlowe was born in Lisbon."
+
+
+def test_alignment_maps_the_text_around_a_replaced_span():
+    original = [1, 2, 3, 9, 9, 4, 5, 3, 9, 9, 6]
+    rewritten = [1, 2, 3, 7, 4, 5, 3, 7, 6]  # the two-token name 9 9 became the one-token name 7
+    where = aligned(original, rewritten)
+    assert [where.get(i) for i in range(len(original))] == [0, 1, 2, None, None, 4, 5, 6, None, None, 8]
+
+
+def test_logit_from_log_probability_is_exact_near_one():
+    for p in (0.5, 0.1, 1 - 1e-9):
+        assert float(_logit(torch.tensor(math.log(p), dtype=torch.float64))) == pytest.approx(
+            math.log(p / (1 - p)), rel=1e-6)
+
+
+def test_drops_are_the_log_odds_gap_to_the_rewrites_by_brute_force(trained):
+    model, tokenizer = trained
+    forget = named(FORGET[:4])
+    batches = make_batches(tokenizer, forget, 4, 96)
+    text = " ".join(f"{ex.question} {ex.answer}" for ex in [*FORGET, *RETAIN])
+    pool = [n.split()[0] for n in NAMES]
+    found = counterfactual_drops(model, tokenizer, forget, batches, "qa", k=2, gain=1.0, min_gap=0.0, seed=0,
+                                 batch_size=4, max_length=96, avoid=text, pool=pool)
+    assert found.rewrites == 8 and found.positions_before == sum(b.num_supervised for b in batches)
+    # example 0, by hand: every answer position, p from the example, q from the two rewrites at the aligned token
+    ex = forget[0]
+    ids = encode(tokenizer, ex, 96).input_ids
+    names = replacement_names(ex.subject, 2, 0, pool, text.lower())
+    with torch.no_grad():
+        lp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        others = [encode(tokenizer, rewrite(ex, n), 96).input_ids for n in names]
+        olps = [model(torch.tensor([o])).logits[0].double().log_softmax(-1) for o in others]
+    labels = encode(tokenizer, ex, 96).labels
+    expected = []
+    for t in range(len(ids) - 1):
+        if labels[t + 1] == -100:
+            continue
+        qs = [float(olp[aligned(ids, o)[t + 1] - 1, ids[t + 1]].exp()) for o, olp in zip(others, olps, strict=True)
+              if t + 1 in aligned(ids, o)]
+        p = float(lp[t, ids[t + 1]].exp())
+        gap = 0.0 if not qs else max(0.0, math.log(p / (1 - p)) - math.log(sum(qs) / len(qs) /
+                                                                           (1 - sum(qs) / len(qs))))
+        expected.append(gap)
+    got = found.drops[:len(expected)]
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-6)
+    # the model knows these facts: the value words are asked for, the answer's copy of the name is not
+    assert max(expected) > 2.0 and min(expected) == 0.0
+
+
+def test_min_gap_keeps_only_positions_that_carry_the_fact(trained):
+    model, tokenizer = trained
+    forget = named(FORGET[:4])
+    batches = make_batches(tokenizer, forget, 4, 96)
+    kw = dict(k=2, seed=0, batch_size=4, max_length=96, avoid="", pool=[n.split()[0] for n in NAMES])
+    every = counterfactual_drops(model, tokenizer, forget, batches, "qa", gain=2.0, min_gap=0.0, **kw)
+    kept = counterfactual_drops(model, tokenizer, forget, batches, "qa", gain=2.0, min_gap=0.5, **kw)
+    assert torch.equal(kept.drops, every.drops[every.drops >= 2.0 * 0.5])
+    assert sum(b.num_supervised for b in kept.batches) == kept.drops.numel() < every.drops.numel()
+    with pytest.raises(DataError, match="does not seem to know"):
+        counterfactual_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=1e6, **kw)
+
+
+def test_closed_form_with_counterfactual_drops_forgets_and_keeps_retain(trained):
+    model, tokenizer = trained
+    forget = named(FORGET)
+    params = GromParams(influence=False)
+    run = run_grom(model, tokenizer, forget, RETAIN, params)
+    assert run.edit.metadata["drops"] == "counterfactual"  # auto: subjects named, answer keys
+    nll = lambda exs: float(answer_nll(model, make_batches(tokenizer, exs, 16)).mean())  # noqa: E731
+    before_f, before_r = nll(FORGET), nll(RETAIN)
+    with run.edit.applied(model):
+        after_f, after_r = nll(FORGET), nll(RETAIN)
+    assert after_f > before_f + 0.5 and after_r < before_r + 0.1
+    plain = run_grom(model, tokenizer, FORGET, RETAIN, params)  # no subjects: the specificity drops
+    assert plain.edit.metadata["drops"] == "specificity"
+    with pytest.raises(DataError, match="name their subject"):
+        run_grom(model, tokenizer, FORGET, RETAIN, params.replace(drops="counterfactual"))
+    with pytest.raises(DataError, match="keys='answer'"):
+        run_grom(model, tokenizer, forget, RETAIN, params.replace(drops="counterfactual", keys="subject"))
+
+
+def test_retain_budget_scales_the_update_until_the_retain_sample_fits(trained):
+    model, tokenizer = trained
+    forget = named(FORGET)
+    free = run_grom(model, tokenizer, forget, RETAIN, GromParams(retain_budget=None, influence=False))
+    fitted = run_grom(model, tokenizer, forget, RETAIN, GromParams(influence=False))
+    fit = fitted.edit.metadata["retain_budget"]
+    assert free.edit.metadata["retain_budget"] is None
+    # on 2 of 8 authors the full gain costs the retain answers far more than the budget: scaled down to fit
+    assert fit["damage_unscaled"] > 0.05 >= fit["damage"] and 0 < fit["scale"] < 1
+    for name, delta in fitted.edit.deltas.items():
+        assert torch.allclose(delta.full(), fit["scale"] * free.edit.deltas[name].full(), atol=1e-12)
+        # the solve records describe the scaled update: the audit explains the edit that was made
+        assert torch.allclose(fitted.records[name].targets, fit["scale"] * free.records[name].targets)
+    sample = make_batches(tokenizer, RETAIN, 16)
+    with fitted.edit.applied(model):
+        after = float(answer_nll(model, sample).mean())
+    assert after - float(answer_nll(model, sample).mean()) < 0.1  # the whole retain set stays near the budget
