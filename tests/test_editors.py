@@ -164,7 +164,16 @@ def test_grom_keys_at_subjects(trained):
     assert both["model.layers.1.mlp.down_proj"].keys.shape[1] == answers + len(forget)
     with pytest.raises(DataError, match="name their subject"):
         run_grom(model, tokenizer, FORGET[:2], RETAIN, params)
-    auto = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="auto")).records
-    assert torch.equal(auto["model.layers.1.mlp.down_proj"].positions, record.positions)  # subjects named: used
+    # auto: these answers restate their subject, so the keys are the answers (with counterfactual drops); answers
+    # that are bare objects take the subjects
+    auto = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="auto"))
+    answer = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="answer"))
+    assert auto.edit.metadata["drops"] == "counterfactual"
+    assert torch.equal(auto.records["model.layers.1.mlp.down_proj"].positions,
+                       answer.records["model.layers.1.mlp.down_proj"].positions)
+    bare = [dataclasses.replace(ex, answer=ex.answer.rstrip(".").split()[-1]) for ex in forget]
+    bare_auto = run_grom(model, tokenizer, bare, RETAIN, params.replace(keys="auto")).records
+    assert bare_auto["model.layers.1.mlp.down_proj"].positions.tolist() == [
+        subject_position(tokenizer, ex, fmt) for ex in bare]
     with pytest.raises(ParamsError, match="keys must be"):
         GromParams(keys="question").validate()
