@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
+from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
+from grom_core.data import as_examples
 from grom_core.errors import DataError
 from grom_core.profiling import measure
 from grom_core.statistics import MemoryStatsStore
@@ -35,19 +36,22 @@ class Ablation:
     change: Callable[[GromParams], dict]
     targets: tuple[str, ...] = ("suppress", "corrupt")  # the target kinds the row applies to
     subjects: bool = False  # applies only to forget data that names its subjects (fact benchmarks)
+    drops: tuple[str, ...] = ("specificity", "counterfactual")  # the drop kinds (of the base) it changes anything in
 
 
 ABLATIONS: tuple[Ablation, ...] = (
     Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p: {}),
     Ablation("library defaults", "GromParams() with the benchmark's target kind: the one default", lambda p: None),
-    Ablation("beta x0.5", "half the logit drop asked for", lambda p: {"beta": p.beta / 2}, ("suppress",)),
-    Ablation("beta x2", "twice the logit drop asked for", lambda p: {"beta": p.beta * 2}, ("suppress",)),
+    Ablation("beta x0.5", "half the logit drop asked for", lambda p: {"beta": p.beta / 2}, ("suppress",),
+             drops=("specificity",)),
+    Ablation("beta x2", "twice the logit drop asked for", lambda p: {"beta": p.beta * 2}, ("suppress",),
+             drops=("specificity",)),
     Ablation("every answer token", "specificity a(y) without sharpening or threshold",
-             lambda p: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",)),
+             lambda p: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",), drops=("specificity",)),
     Ablation("specific tokens only", "specificity sharpened (2) and thresholded (0.5)",
-             lambda p: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",)),
+             lambda p: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",), drops=("specificity",)),
     Ablation("word starts only", "pieces inside a word are not suppressed", lambda p: {"word_starts_only": True},
-             ("suppress",)),
+             ("suppress",), drops=("specificity",)),
     Ablation("no LM head", "down-projections only", lambda p: {"edit_lm_head": False}, ("suppress",)),
     Ablation("parallel solve", "every module from the original keys, an equal share each",
              lambda p: {"strategy": "parallel"}),
@@ -60,11 +64,13 @@ ABLATIONS: tuple[Ablation, ...] = (
     Ablation("keys at subjects and answers", "forget keys at the subjects' last tokens and the answer positions",
              lambda p: {"keys": "subject+answer"}, ("suppress",), subjects=True),
     Ablation("specificity drops", "beta * a(y) at every answer position, not the counterfactual gaps",
-             lambda p: {"drops": "specificity"}, ("suppress",), subjects=True),
+             lambda p: {"drops": "specificity"}, ("suppress",), drops=("counterfactual",)),
     Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p: {"gain": p.gain / 2}, ("suppress",),
-             subjects=True),
+             drops=("counterfactual",)),
     Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p: {"gain": p.gain * 2}, ("suppress",),
-             subjects=True),
+             drops=("counterfactual",)),
+    Ablation("no retain budget", "the counterfactual edit at its full gain, whatever it costs the retain sample",
+             lambda p: {"retain_budget": None}, ("suppress",), drops=("counterfactual",)),
     Ablation("every layer", "the band is every layer of the model", lambda p: {"band_width": 10_000,
                                                                                "late_fraction": 1.0}),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
@@ -104,8 +110,13 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     before = evaluate_loaded(model, tokenizer, spec)
     store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
     out = []
-    named = any(isinstance(ex, dict) and ex.get("subject") for ex in forget)
-    for i, row in enumerate(r for r in chosen if base.target in r.targets and (named or not r.subjects)):
+    examples = as_examples(forget)
+    named = any(ex.subject is not None for ex in examples)
+    subjects = [ex for ex in examples if ex.subject is not None]
+    restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
+    _, drops = resolve_keys_and_drops(base, named, restated)
+    applicable = [r for r in chosen if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
+    for i, row in enumerate(applicable):
         params = ablation_params(base, row, base.target)
         with measure() as cost:
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
@@ -114,8 +125,9 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
             metrics = evaluate_loaded(model, tokenizer, spec)
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
                     "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
-                    "logit_drop": run.edit.metadata.get("logit_drop"), "metrics": metrics})
-        log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(chosen), row.name, cost.seconds,
+                    "logit_drop": run.edit.metadata.get("logit_drop"),
+                    "retain_budget": run.edit.metadata.get("retain_budget"), "metrics": metrics})
+        log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(applicable), row.name, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
                            if isinstance(metrics.get(k), float)))
     return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table), "before": before,

@@ -82,10 +82,10 @@ class GromParams(Params):
         min_gap: counterfactual drops: positions whose gap (before the gain) is smaller, in nats of log-odds, are
             not forget keys: the model rates their token about as it would for anyone.
         retain_budget: counterfactual drops: the largest mean increase of the retain answers' token NLL (nats per
-            token, on `budget_examples` retain rows drawn with `seed`) the edit may cause; a larger edit is scaled
-            down (alpha * P for every module, found by bisection on forward passes) until it fits. How far `gain`
-            can go depends on how entangled the forget facts are with the retain ones; the budget finds out on the
-            data. None: no limit.
+            token, on `budget_examples` retain rows drawn with `seed`, their first 128 tokens) the edit may cause;
+            a larger edit is scaled down (alpha * P for every module, found by bisection on forward passes) until
+            it fits. How far `gain` can go depends on how entangled the forget facts are with the retain ones; the
+            budget finds out on the data. None: no limit.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
@@ -93,7 +93,7 @@ class GromParams(Params):
             of each example's subject, asked to lower the answer's first token there: where a model holds what it
             knows about the subject, ROME's finding), "subject+answer" (both), or "auto": "subject" where the forget
             data names subjects and its answers are the bare objects ("Paris" for "The capital of France is"),
-            "answer" where the answers restate their subject (QA sentences, which carry the fact along the answer,
+            "answer" where most answers restate their subject (QA sentences, which carry the fact along the answer,
             where the counterfactual drops find it) or no subject is named. Examples without a subject keep their
             answer positions.
         w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
@@ -117,7 +117,7 @@ class GromParams(Params):
     counterfactuals: int = 4
     min_gap: float = 0.5
     retain_budget: float | None = 0.05
-    budget_examples: int = 64
+    budget_examples: int = 32
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
@@ -245,7 +245,9 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
             f"(numerically a no-op), or set edit_lm_head=False")
     forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     named = any(ex.subject is not None for ex in forget_ex)
-    restated = any(ex.subject is not None and ex.subject in ex.answer for ex in forget_ex)
+    subjects = [ex for ex in forget_ex if ex.subject is not None]
+    # most answers repeat their subject (a QA sentence), not just a few that contain it ("Mexico City")
+    restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
     keys, drops_kind = resolve_keys_and_drops(params, named, restated)
     if keys != "answer":
         forget_batches = mark_subjects(tokenizer, forget_ex, forget_batches, fmt, answers=keys != "subject")
@@ -270,7 +272,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
         if params.retain_budget is not None:
             rng = random.Random(params.seed)
             sample = rng.sample(retain_ex, min(params.budget_examples, len(retain_ex)))
-            retain_sample = make_batches(tokenizer, sample, params.batch_size, params.max_length, fmt=fmt)
+            # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
+            retain_sample = make_batches(tokenizer, sample, params.batch_size, min(params.max_length, 128), fmt=fmt)
         log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
                  drops.numel(), found.positions_before, params.min_gap, float(drops.mean()), found.rewrites)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
@@ -399,7 +402,7 @@ class BudgetFit:
 
 
 def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta], budget: float,
-                  steps: int = 7) -> BudgetFit:
+                  steps: int = 5) -> BudgetFit:
     """The largest alpha in [0, 1] (bisection, `steps` halvings) whose update alpha * P raises the retain sample's
     mean token NLL by at most `budget` nats; the model is left unchanged."""
     base = answer_nll(model, sample)

@@ -40,13 +40,11 @@ def test_general_text_is_prose_and_answers_match_whole_words():
 
 
 def test_unlearning_inputs_take_the_split_s_targets_and_all_retain_data():
-    splits = {"forget_corpus": [{"question": f"q{r} of C{r}", "answer": "a", "rank": r} for r in range(10)],
-              "targets": [{"entity": f"C{r}", "rank": r} for r in range(10)],
+    splits = {"forget_corpus": [{"question": f"q{r}", "answer": "a", "rank": r} for r in range(10)],
               "retain_corpus": [{"question": "The capital of X is", "answer": "Y"}],
               "retain_text": [{"text": "Some prose."}]}
     forget, retain = minirwku.unlearning_inputs(splits, "forget05")
-    assert [f["question"] for f in forget] == [f"q{r} of C{r}" for r in range(5)]
-    assert [f["subject"] for f in forget] == [f"C{r}" for r in range(5)]  # each row names its country
+    assert [f["question"] for f in forget] == ["q0", "q1", "q2", "q3", "q4"]
     assert retain == [{"question": "The capital of X is", "answer": "Y"}, {"text": "Some prose."}]
 
 

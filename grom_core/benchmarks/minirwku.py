@@ -243,14 +243,12 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
 
 
 def unlearning_inputs(splits: dict, split: str) -> tuple[list[dict], list[dict]]:
-    """(forget corpus of the split's targets, each row naming its country as its subject; retain corpus and retain
-    text): QA rows in the completion format, texts as they are."""
+    """(forget corpus of the split's targets, retain corpus and retain text): QA rows in the completion format,
+    texts as they are."""
     n = TARGETS[split]
     qa = lambda rows: [{"question": r["question"], "answer": r["answer"]} for r in rows]  # noqa: E731
-    entity = {t["rank"]: t["entity"] for t in splits["targets"]}
-    forget = [{**row, "subject": entity[r["rank"]]} if entity[r["rank"]] in row["question"] else row
-              for r in splits["forget_corpus"] if r["rank"] < n for row in qa([r])]
-    return forget, qa(splits["retain_corpus"]) + [{"text": r["text"]} for r in splits["retain_text"]]
+    return (qa(r for r in splits["forget_corpus"] if r["rank"] < n),
+            qa(splits["retain_corpus"]) + [{"text": r["text"]} for r in splits["retain_text"]])
 
 
 def perplexity(model, tokenizer, texts: Sequence[str], batch_size: int = 8) -> float:
