@@ -73,9 +73,9 @@ class GromParams(Params):
             output to a random direction; multiple-choice benchmarks).
         drops: how much each forget position's gold token is lowered: "specificity" (beta * a(y_t), a the token's
             forget-specificity, see targets.specificity_weights), "counterfactual" (gain times the log-odds gap to
-            what the model predicts when the subject is replaced by invented names, see grom_core.counterfactual;
-            needs subjects and answer keys), or "auto": "counterfactual" where the forget data names subjects and
-            the keys are the answers, else "specificity".
+            what the model predicts when the subject is a stranger, see grom_core.counterfactual; needs subjects
+            and answer keys), or "auto": "counterfactual" where the forget data names subjects and the keys are
+            the answers, else "specificity".
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
         gain: counterfactual drops: multiple of the gap asked for (> 1 so that phrasings the edit never sees move).
         counterfactuals: counterfactual drops: invented names per example (their predictions are averaged).
@@ -261,21 +261,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
         weights = weights * word_start_mask(tokenizer, vocab)
     drops, retain_sample = None, None
     if drops_kind == "counterfactual":
-        everything = [*forget_ex, *retain_ex]
-        text = " ".join(str(v) for ex in everything for v in ex.record().values())
-        pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
-        found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
-                                     gain=params.gain, min_gap=params.min_gap, seed=params.seed,
-                                     batch_size=params.batch_size, max_length=params.max_length, avoid=text,
-                                     pool=pool)
-        forget_batches, drops = found.batches, found.drops
-        if params.retain_budget is not None:
-            rng = random.Random(params.seed)
-            sample = rng.sample(retain_ex, min(params.budget_examples, len(retain_ex)))
-            # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
-            retain_sample = make_batches(tokenizer, sample, params.batch_size, min(params.max_length, 128), fmt=fmt)
-        log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
-                 drops.numel(), found.positions_before, params.min_gap, float(drops.mean()), found.rewrites)
+        forget_batches, drops, retain_sample = _counterfactual_inputs(model, tokenizer, forget_ex, retain_ex,
+                                                                      forget_batches, fmt, params)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
@@ -284,6 +271,27 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
                                                "prompt_format": fmt.name}]))
+
+
+def _counterfactual_inputs(model: nn.Module, tokenizer, forget_ex: list[Example], retain_ex: list[Example],
+                           forget_batches: list[Batch], fmt: PromptFormat, params: GromParams
+                           ) -> tuple[list[Batch], torch.Tensor, list[Batch] | None]:
+    """The forget batches cut to the positions that carry the facts, their drops (s,), and the retain sample the
+    budget is read on (None without a budget)."""
+    everything = [*forget_ex, *retain_ex]
+    text = " ".join(str(v) for ex in everything for v in ex.record().values())
+    pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
+    found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
+                                 gain=params.gain, min_gap=params.min_gap, seed=params.seed,
+                                 batch_size=params.batch_size, max_length=params.max_length, avoid=text, pool=pool)
+    log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
+             found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
+    sample = None
+    if params.retain_budget is not None:
+        rows = random.Random(params.seed).sample(retain_ex, min(params.budget_examples, len(retain_ex)))
+        # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
+        sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt)
+    return found.batches, found.drops, sample
 
 
 def resolve_keys_and_drops(params: GromParams, named: bool, restated: bool = False) -> tuple[str, str]:
@@ -386,7 +394,8 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
                           "forget_positions": int(next(iter(records.values())).keys.shape[1]),
                           "retain_positions": {m: stats[m].count for m in modules},
                           "layer_scores": scores.as_rows() if scores is not None else None,
-                          "logit_drop": solver.achieved, "drops": prep.drops_kind,
+                          "logit_drop": solver.achieved,  # as solved, before a retain budget's scale
+                          "drops": prep.drops_kind,
                           "retain_budget": dataclasses.asdict(fit) if fit else None})
     return edit, records
 

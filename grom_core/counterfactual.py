@@ -17,7 +17,7 @@ knows about S get the gap; the subject's own tokens (copied from the question) a
 `gain` > 1 asks for more than the gap at the trained phrasing so that other phrasings of the same fact, whose
 positions the edit never sees, move too.
 
-Tokens are aligned with difflib's matching blocks on the token ids, so an invented name may have another length.
+Tokens are aligned with difflib's matching blocks on the token ids, so a replacement name may have another length.
 """
 
 from __future__ import annotations
