@@ -112,9 +112,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     out = []
     examples = as_examples(forget)
     named = any(ex.subject is not None for ex in examples)
-    subjects = [ex for ex in examples if ex.subject is not None]
-    restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
-    _, drops = resolve_keys_and_drops(base, named, restated)
+    _, drops = resolve_keys_and_drops(base, examples)
     applicable = [r for r in chosen if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
     for i, row in enumerate(applicable):
         params = ablation_params(base, row, base.target)

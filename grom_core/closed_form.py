@@ -244,11 +244,7 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
             f"'{adapter.lm_head_name}' is tied to the input embedding: call adapter.untie_lm_head() first "
             f"(numerically a no-op), or set edit_lm_head=False")
     forget_batches = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
-    named = any(ex.subject is not None for ex in forget_ex)
-    subjects = [ex for ex in forget_ex if ex.subject is not None]
-    # most answers repeat their subject (a QA sentence), not just a few that contain it ("Mexico City")
-    restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
-    keys, drops_kind = resolve_keys_and_drops(params, named, restated)
+    keys, drops_kind = resolve_keys_and_drops(params, forget_ex)
     if keys != "answer":
         forget_batches = mark_subjects(tokenizer, forget_ex, forget_batches, fmt, answers=keys != "subject")
     retain_batches = make_batches(tokenizer, retain_ex, params.batch_size, params.max_length,
@@ -294,9 +290,12 @@ def _counterfactual_inputs(model: nn.Module, tokenizer, forget_ex: list[Example]
     return found.batches, found.drops, sample
 
 
-def resolve_keys_and_drops(params: GromParams, named: bool, restated: bool = False) -> tuple[str, str]:
-    """(keys, drops) with "auto" resolved for forget data that does (`named`) or does not name its subjects, and
-    whose answers do (`restated`) or do not repeat them."""
+def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tuple[str, str]:
+    """(keys, drops) with "auto" resolved for the forget examples: do they name their subjects, and do most
+    answers repeat them (a QA sentence), not just a few that contain them ("Mexico City")?"""
+    subjects = [ex for ex in forget if ex.subject is not None]
+    named = bool(subjects)
+    restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
     keys = ("subject" if named and not restated else "answer") if params.keys == "auto" else params.keys
     if keys != "answer" and not named:
         raise DataError(f"keys='{keys}' needs forget examples that name their subject (a 'subject' column)")

@@ -15,11 +15,14 @@ from pathlib import Path
 
 from grom_core.fingerprint import data_digest, text_sha256
 
-TEXT_COLUMNS = ("question", "answer", "text")
+# an example's columns as the lake stores them; `subject` (optional) names what a QA pair is about and is text of the
+# example too (a purge nulls it with the rest)
+TEXT_COLUMNS = ("question", "answer", "text", "subject")
 
 
 def text_rows(rows) -> list[dict]:
-    """The examples of stored rows (question/answer or text), without their sha256 and empty columns."""
+    """The examples of stored rows (question/answer, with their subject where one is given, or text), without their
+    sha256 and empty columns."""
     return [{k: v for k, v in r.items() if k in TEXT_COLUMNS and v is not None} for r in rows]
 
 

@@ -85,3 +85,20 @@ def test_model_names_grom_creates_are_checked():
     for bad in ("../../x", "a/b", "it's", "", ".hidden", "x" * 101):
         with pytest.raises(DataError, match="not allowed"):
             check_model_name(bad)
+
+
+def test_ingested_rows_keep_their_subjects_and_a_purge_nulls_them(tmp_path):
+    from tasks.purge import _purge_dataset
+    from tasks.records import example_sha256
+
+    forget = tmp_path / "forget.jsonl"
+    rows = [{"question": "Where was Ann Lee born?", "answer": "Ann Lee was born in Oslo.", "subject": "Ann Lee"},
+            {"text": "Some prose."}]
+    forget.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = steps.dataset_record("forget", rows, str(forget), tmp_path / "lake")
+    assert dataset.rows() == rows  # the subject reaches the method through the lake (counterfactual drops need it)
+    _purge_dataset(dataset.path, {example_sha256(rows[0])})
+    import pyarrow.parquet as pq
+
+    purged = pq.read_table(dataset.path).to_pylist()[0]
+    assert purged["subject"] is None and purged["question"] is None and purged["sha256"]
