@@ -2,6 +2,7 @@
 statistics cache in the lake."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_ingested_rows_keep_their_subjects_and_a_purge_nulls_them(tmp_path):
     forget.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dataset = steps.dataset_record("forget", rows, str(forget), tmp_path / "lake")
     assert dataset.rows() == rows  # the subject reaches the method through the lake (counterfactual drops need it)
-    _purge_dataset(dataset.path, {example_sha256(rows[0])})
+    _purge_dataset(Path(dataset.path), {example_sha256(rows[0])})
     import pyarrow.parquet as pq
 
     purged = pq.read_table(dataset.path).to_pylist()[0]
