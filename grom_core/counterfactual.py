@@ -73,7 +73,7 @@ def rewrite(example: Example, name: str) -> Example:
     subject = example.subject
     if subject is None:
         raise DataError("a counterfactual needs the example's subject")
-    first, _, rest = subject.partition(" ")
+    rest = subject.partition(" ")[2]
     other = f"{name} {rest}" if rest else name
     return Example(question=example.question.replace(subject, other), answer=example.answer.replace(subject, other),
                    subject=other)
@@ -94,7 +94,7 @@ def next_token_logprobs(model: nn.Module, batches: Sequence[Batch]) -> dict[int,
     """example id -> (its T token ids, (T - 1,) float64 log p(x_{t+1} | x_<=t) of each real token after the
     first)."""
     device = model_device(model)
-    out: dict[int, torch.Tensor] = {}
+    out: dict[int, tuple[list[int], torch.Tensor]] = {}
     with evaluating(model):
         for batch in batches:
             logits = model(input_ids=batch.input_ids.to(device),
@@ -140,6 +140,7 @@ def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example
     by_subject = {subject: replacement_names(subject, k, seed, pool, avoid)
                   for subject in dict.fromkeys(examples[i].subject for i in named)}
     names = {i: by_subject[examples[i].subject] for i in named}
+    slot = {i: n * k for n, i in enumerate(named)}  # where example i's rewrites start in `theirs`
     rewritten = [rewrite(examples[i], name) for i in named for name in names[i]]
     theirs = (next_token_logprobs(model, make_batches(tokenizer, rewritten, batch_size, max_length, fmt=fmt))
               if rewritten else {})
@@ -152,8 +153,7 @@ def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example
             before += len(positions)
             gaps = torch.zeros(len(positions), dtype=torch.float64)
             if examples[example_id].subject is not None:
-                start = named.index(example_id) * k
-                gaps = _gaps(own[example_id], [theirs[start + j] for j in range(k)], positions)
+                gaps = _gaps(own[example_id], [theirs[slot[example_id] + j] for j in range(k)], positions)
             for t, gap in zip(positions, gaps.tolist(), strict=True):
                 if gap < min_gap:
                     labels[row, t + 1] = IGNORE_INDEX
