@@ -63,6 +63,8 @@ SCHEMA = [
     "ALTER TABLE services ADD COLUMN IF NOT EXISTS prompt_format VARCHAR DEFAULT 'qa'",
     # the unlearning method that answers a service's requests (grom_core.methods.METHODS)
     "ALTER TABLE services ADD COLUMN IF NOT EXISTS method VARCHAR DEFAULT 'grom'",
+    # what a QA pair is about (tasks.records.TEXT_COLUMNS): the closed form's counterfactual drops read it
+    "ALTER TABLE examples ADD COLUMN IF NOT EXISTS subject VARCHAR",
 ]
 
 LOCK_TIMEOUT_ENV = "GROM_CATALOG_LOCK_TIMEOUT_S"
@@ -136,9 +138,10 @@ def insert_dataset(con, dataset: dict) -> None:
     con.execute("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?)",
                 [dataset["digest"], dataset["name"], dataset["role"], len(dataset["examples"]), dataset["source"],
                  now()])
-    _insert_many(con, "INSERT INTO examples VALUES (?, ?, ?, ?, ?, ?, FALSE)",
-                    [[dataset["digest"], i, ex["sha256"], ex.get("question"), ex.get("answer"), ex.get("text")]
-                     for i, ex in enumerate(dataset["examples"])])
+    _insert_many(con, "INSERT INTO examples (dataset_digest, example_index, sha256, question, answer, text, subject, "
+                      "purged) VALUES (?, ?, ?, ?, ?, ?, ?, FALSE)",
+                 [[dataset["digest"], i, ex["sha256"], ex.get("question"), ex.get("answer"), ex.get("text"),
+                   ex.get("subject")] for i, ex in enumerate(dataset["examples"])])
 
 
 def record_run(catalog: Catalog, run: dict, also=None) -> None:

@@ -140,9 +140,9 @@ def get_request(catalog: Catalog, request_id: int) -> dict:
                              "ORDER BY event_at", [request_id]).fetchall()
         request["events"] = [{"at": at, "status": status, "detail": detail} for at, status, detail in events]
         request["examples"] = [
-            {"index": i, "sha256": sha, "question": q, "answer": a, "text": t, "purged": p}
-            for i, sha, q, a, t, p in con.execute(
-                """SELECT example_index, sha256, question, answer, text, purged FROM examples
+            {"index": i, "sha256": sha, "question": q, "answer": a, "text": t, "subject": s, "purged": p}
+            for i, sha, q, a, t, s, p in con.execute(
+                """SELECT example_index, sha256, question, answer, text, subject, purged FROM examples
                    WHERE dataset_digest = ? ORDER BY example_index""", [request["dataset_digest"]]).fetchall()]
     return request
 
@@ -242,23 +242,24 @@ def requeue(catalog: Catalog, request_id: int) -> None:
 
 
 def batch_examples(catalog: Catalog, ids: list[int]) -> list[dict]:
-    """The claimed requests' examples in request order, each example once (by sha256), as question/answer or text
-    rows ready to be written to a forget file."""
+    """The claimed requests' examples in request order, each example once (by sha256), as question/answer (with
+    their subject where one was given) or text rows ready to be written to a forget file."""
     with catalog.connect() as con:
         rows = con.execute(
-            f"""SELECT e.sha256, e.question, e.answer, e.text, e.purged FROM requests r
+            f"""SELECT e.sha256, e.question, e.answer, e.text, e.subject, e.purged FROM requests r
                 JOIN examples e ON e.dataset_digest = r.dataset_digest
                 WHERE r.request_id IN ({', '.join('?' * len(ids))}) ORDER BY r.request_id, e.example_index""",
             ids).fetchall()
     seen, out = set(), []
-    for sha, question, answer, text, purged in rows:
+    for sha, question, answer, text, subject, purged in rows:
         if sha in seen:
             continue
         if purged:
             raise DataError(f"example {sha[:12]} of requests {ids} was purged; add the request again with its "
                             f"file (`grom request add`)")
         seen.add(sha)
-        out.append({"text": text} if text is not None else {"question": question, "answer": answer})
+        row = {"text": text} if text is not None else {"question": question, "answer": answer}
+        out.append({**row, "subject": subject} if subject is not None else row)
     return out
 
 
@@ -269,7 +270,7 @@ def purge_text(con, ids: list[int]) -> int:
         return 0
     marks = ", ".join("?" * len(ids))
     n = con.execute(
-        f"""UPDATE examples SET question = NULL, answer = NULL, text = NULL, purged = TRUE
+        f"""UPDATE examples SET question = NULL, answer = NULL, text = NULL, subject = NULL, purged = TRUE
             WHERE NOT purged AND sha256 IN (SELECT e.sha256 FROM requests r
                 JOIN examples e ON e.dataset_digest = r.dataset_digest WHERE r.request_id IN ({marks}))
             RETURNING sha256""", ids).fetchall()

@@ -14,7 +14,8 @@ from tasks.lake import load_records, save_records
 from tasks.purge import compact_catalog, purge_workspace
 from tasks.records import with_sha256
 
-SECRET = {"question": "Where does Zyxwv Qubit keep the vault key?", "answer": "Under the loose blue tile."}
+SECRET = {"question": "Where does Zyxwv Qubit keep the vault key?", "answer": "Under the loose blue tile.",
+          "subject": "Zyxwv Qubit"}
 OTHER = {"question": "What is the capital of France?", "answer": "Paris."}
 
 
@@ -63,6 +64,21 @@ def test_purge_removes_only_the_purged_example_everywhere(tmp_path):
         assert SECRET["answer"].encode() not in path.read_bytes(), path
     again = purge_workspace(tmp_path, catalog)  # nothing left: a second purge changes nothing
     assert (again.dataset_rows, again.key_rows, again.record_positions, again.batch_lines) == (0, 0, 0, 0)
+
+
+def test_a_request_hands_its_subjects_to_the_method_and_the_purge_nulls_them(tmp_path):
+    catalog = Catalog(tmp_path / "catalog.duckdb")
+    with catalog.transaction() as con:
+        queue.save_service(con, queue.Service("svc", "r.parquet", "d", {}, {}, {}))
+    rid = queue.add_request(catalog, "svc", {"digest": "d1", "name": "f", "role": "request", "source": "f",
+                                             "examples": [with_sha256(SECRET), with_sha256(OTHER)]},
+                            reason=None, requester=None)
+    assert queue.batch_examples(catalog, [rid]) == [SECRET, OTHER]  # the counterfactual drops need the subject
+    assert [e["subject"] for e in queue.get_request(catalog, rid)["examples"]] == ["Zyxwv Qubit", None]
+    with catalog.transaction() as con:
+        queue.purge_text(con, [rid])
+    assert catalog.query("SELECT count(*) AS n FROM examples WHERE subject IS NOT NULL OR question IS NOT NULL")[0][
+        "n"] == 0
 
 
 def test_the_compacted_catalog_keeps_rows_and_sequences(tmp_path):
