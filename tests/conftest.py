@@ -90,6 +90,22 @@ def small_workspace(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2 converted from its GGUF once (about 25 s), into the models/ folder of a workspace
+    (`smollm2_home`) shared by every test that needs the real model."""
+    from tasks.models import fetch_model
+
+    return fetch_model("smollm2", tmp_path_factory.mktemp("smollm2-ws") / "models")
+
+
+@pytest.fixture(scope="session")
+def smollm2_home(smollm2):
+    from pathlib import Path
+
+    return Path(smollm2.model_dir).parent.parent
+
+
+@pytest.fixture(scope="session")
 def harness():
     """One Prefect test server for the whole session (it takes 15-25 s to start on 2 cores)."""
     from prefect.testing.utilities import prefect_test_harness

