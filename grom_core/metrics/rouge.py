@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from rouge_score import rouge_scorer
 
 
-def _scorer() -> rouge_scorer.RougeScorer:
+def _scorer():
+    # imported here: rouge_score pulls in nltk (about 1.5 s), which a command that only parses its options or
+    # loads a model should not pay
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 
