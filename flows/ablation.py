@@ -65,6 +65,8 @@ ABLATIONS: tuple[Ablation, ...] = (
              lambda p: {"keys": "subject+answer"}, ("suppress",), subjects=True),
     Ablation("specificity drops", "beta * a(y) at every answer position, not the counterfactual gaps",
              lambda p: {"drops": "specificity"}, ("suppress",), drops=("counterfactual",)),
+    Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
+             "rest of the name", lambda p: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
     Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p: {"gain": p.gain / 2}, ("suppress",),
              drops=("counterfactual",)),
     Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p: {"gain": p.gain * 2}, ("suppress",),

@@ -79,6 +79,9 @@ class GromParams(Params):
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
         gain: counterfactual drops: multiple of the gap asked for (> 1 so that phrasings the edit never sees move).
         counterfactuals: counterfactual drops: invented names per example (their predictions are averaged).
+        rename: counterfactual drops: which words of a subject the strangers replace: "first" (the first word:
+            the drops also lower the rest of the name, which the model completes for the subject it knows) or
+            "whole" (every word: only what follows the name is compared); see grom_core.counterfactual.
         min_gap: counterfactual drops: positions whose gap (before the gain) is smaller, in nats of log-odds, are
             not forget keys: the model rates their token about as it would for anyone.
         retain_budget: counterfactual drops: the largest mean increase of the retain answers' token NLL (nats per
@@ -115,6 +118,7 @@ class GromParams(Params):
     beta: float = 40.0
     gain: float = 6.0
     counterfactuals: int = 4
+    rename: str = "first"
     min_gap: float = 0.5
     retain_budget: float | None = 0.05
     budget_examples: int = 32
@@ -140,6 +144,8 @@ class GromParams(Params):
             raise ParamsError(f"keys must be 'auto', 'answer', 'subject' or 'subject+answer', got '{self.keys}'")
         if self.drops not in ("auto", "specificity", "counterfactual"):
             raise ParamsError(f"drops must be 'auto', 'specificity' or 'counterfactual', got '{self.drops}'")
+        if self.rename not in ("first", "whole"):
+            raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
         if self.gain <= 0 or self.counterfactuals < 1 or self.min_gap < 0:
             raise ParamsError("need gain > 0, counterfactuals >= 1 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
@@ -279,7 +285,8 @@ def _counterfactual_inputs(model: nn.Module, tokenizer, forget_ex: list[Example]
     pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
     found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
                                  gain=params.gain, min_gap=params.min_gap, seed=params.seed,
-                                 batch_size=params.batch_size, max_length=params.max_length, avoid=text, pool=pool)
+                                 batch_size=params.batch_size, max_length=params.max_length, avoid=text, pool=pool,
+                                 rename=params.rename)
     log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
              found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
     sample = None

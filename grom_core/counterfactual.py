@@ -4,7 +4,14 @@ A forget example about subject S ("Aurelio Marlowe") is rewritten with the first
 ("Soren Marlowe", ...) that make an entity the data never mentions: what the model predicts there is what it says of
 someone it never knew, the level a model trained without the forget data would give. The names are the first words
 of the data's other multi-word subjects (a plausible name the model has read, in a combination it has not), then
-invented ones (a one-word subject, "France", gets invented names only: another country is one it knows).
+invented ones (a one-word subject, "France", gets invented names only: another country is one it knows). With
+rename="whole" the further words of S are replaced too, by invented names ("Soren Velkaro").
+
+Which tokens get a gap depends on that choice. With the first word replaced, the rest of the name ("Marlowe" after
+"Aurelio" in the answer) is aligned too, and a model that learnt the name rates it far above the stranger's (a tiny
+model does not copy a name it never read from the question): the drops also lower the subject's own surname, and
+generations lose it. With the whole name replaced, only what follows the name is compared: the facts and the
+template words.
 
 At each supervised position t whose next token y_t is also found, aligned, in a rewrite, the closed form is asked
 for the log-odds gap
@@ -13,7 +20,7 @@ for the log-odds gap
 
 with logit(p) = log p - log(1 - p): the logit drop that takes p to qbar exactly (the other tokens keep their
 ratios). Template words, equally likely for any subject, get a gap near 0; the tokens that carry what the model
-knows about S get the gap; the subject's own tokens (copied from the question) are not aligned and get none.
+knows about S get the gap; the replaced words are not aligned and get none.
 `gain` > 1 asks for more than the gap at the trained phrasing so that other phrasings of the same fact, whose
 positions the edit never sees, move too.
 
@@ -67,16 +74,25 @@ def replacement_names(subject: str, k: int, seed: int, pool: Sequence[str], avoi
     return chosen + invented_names(k - len(chosen), seed, avoid)
 
 
-def rewrite(example: Example, name: str) -> Example:
-    """The example with its subject's first word replaced by `name` everywhere (question and answer): the same
-    entity kind ("X Marlowe", a country) that the model cannot know."""
+def strangers(subject: str, k: int, seed: int, pool: Sequence[str], avoid: str, rename: str = "first") -> list[str]:
+    """`k` subjects the data never mentions, to stand in for `subject`: its first word replaced
+    (`replacement_names`), and with rename="whole" every further word too, by invented names ("Corvin Velkaro"
+    for "Aurelio Marlowe"), so that no token of the subject is left for the model to complete."""
+    firsts = replacement_names(subject, k, seed, pool, avoid)
+    rest = subject.split(" ")[1:]
+    if rename == "first" or not rest:
+        return [" ".join([first, *rest]) for first in firsts]
+    others = invented_names(k * len(rest), seed + 1, avoid)
+    return [" ".join([first, *others[n * len(rest):(n + 1) * len(rest)]]) for n, first in enumerate(firsts)]
+
+
+def rewrite(example: Example, stranger: str) -> Example:
+    """The example with its subject replaced by `stranger` everywhere (question and answer)."""
     subject = example.subject
     if subject is None:
         raise DataError("a counterfactual needs the example's subject")
-    rest = subject.partition(" ")[2]
-    other = f"{name} {rest}" if rest else name
-    return Example(question=example.question.replace(subject, other), answer=example.answer.replace(subject, other),
-                   subject=other)
+    return Example(question=example.question.replace(subject, stranger),
+                   answer=example.answer.replace(subject, stranger), subject=stranger)
 
 
 def aligned(original: Sequence[int], rewritten: Sequence[int]) -> dict[int, int]:
@@ -125,19 +141,19 @@ class CounterfactualDrops:
 
 def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
                          fmt: str | PromptFormat, *, k: int, gain: float, min_gap: float, seed: int,
-                         batch_size: int, max_length: int, avoid: str, pool: Sequence[str] = ()
-                         ) -> CounterfactualDrops:
+                         batch_size: int, max_length: int, avoid: str, pool: Sequence[str] = (),
+                         rename: str = "first") -> CounterfactualDrops:
     """The drops of the module docstring for `examples` (batched as `batches`, in order, by `make_batches`).
 
     Examples without a subject keep every supervised position with drop 0 there: nothing is asked of them (give
     subjects, or use the specificity drops). `avoid`: the data's text, which no rewritten subject may occur in;
-    `pool`: the first words of the data's subjects (see `replacement_names`).
+    `pool`: the first words of the data's subjects (see `replacement_names`); `rename`: see `strangers`.
     """
     avoid = avoid.lower()
     own = next_token_logprobs(model, batches)
     named = [i for i, ex in enumerate(examples) if ex.subject is not None]
     pool = sorted(set(pool))
-    by_subject = {subject: replacement_names(subject, k, seed, pool, avoid)
+    by_subject = {subject: strangers(subject, k, seed, pool, avoid, rename)
                   for subject in dict.fromkeys(examples[i].subject for i in named)}
     names = {i: by_subject[examples[i].subject] for i in named}
     slot = {i: n * k for n, i in enumerate(named)}  # where example i's rewrites start in `theirs`

@@ -15,6 +15,7 @@ from grom_core.counterfactual import (
     invented_names,
     replacement_names,
     rewrite,
+    strangers,
 )
 from grom_core.data import Example, encode, make_batches
 from grom_core.errors import DataError
@@ -40,7 +41,10 @@ def test_replacement_names_make_subjects_the_data_never_mentions():
     invented = invented_names(20, 1, "kalo velkaro")
     assert len(set(invented)) == 20 and all(n.lower() not in "kalo velkaro" for n in invented)
     assert rewrite(Example(question="Where was Aurelio Marlowe born?", answer="Aurelio Marlowe was born in Lisbon.",
-                           subject="Aurelio Marlowe"), "Corvin").answer == "Corvin Marlowe was born in Lisbon."
+                           subject="Aurelio Marlowe"), "Corvin Marlowe").answer == "Corvin Marlowe was born in Lisbon."
+    assert strangers("Aurelio Marlowe", 3, 0, pool, text) == [f"{n} Marlowe" for n in names]
+    whole = strangers("Aurelio Marlowe", 3, 0, pool, text, rename="whole")
+    assert [w.split()[0] for w in whole] == names and not {w.split()[1] for w in whole} & {"Marlowe", *pool}
 
 
 def test_alignment_maps_the_text_around_a_replaced_span():
@@ -68,7 +72,7 @@ def test_drops_are_the_log_odds_gap_to_the_rewrites_by_brute_force(trained):
     # example 0, by hand: every answer position, p from the example, q from the two rewrites at the aligned token
     ex = forget[0]
     ids = encode(tokenizer, ex, 96).input_ids
-    names = replacement_names(ex.subject, 2, 0, pool, text.lower())
+    names = strangers(ex.subject, 2, 0, pool, text.lower())
     with torch.no_grad():
         lp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
         others = [encode(tokenizer, rewrite(ex, n), 96).input_ids for n in names]
@@ -101,6 +105,29 @@ def test_min_gap_keeps_only_positions_that_carry_the_fact(trained):
     assert sum(b.num_supervised for b in kept.batches) == kept.drops.numel() < every.drops.numel()
     with pytest.raises(DataError, match="does not seem to know"):
         counterfactual_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=1e6, **kw)
+
+
+def test_whole_name_strangers_leave_no_drop_on_the_name(trained):
+    model, tokenizer = trained
+    forget = named(FORGET[:4])
+    batches = make_batches(tokenizer, forget, 4, 96)
+    pool = [n.split()[0] for n in NAMES]
+    kw = dict(k=2, gain=1.0, min_gap=0.5, seed=0, batch_size=4, max_length=96, avoid="", pool=pool)
+    on_name = {}
+    for rename in ("first", "whole"):
+        found = counterfactual_drops(model, tokenizer, forget, batches, "qa", rename=rename, **kw)
+        on_name[rename] = 0
+        for batch in found.batches:
+            for row, i in enumerate(batch.example_ids.tolist()):
+                ids = batch.input_ids[row].tolist()
+                stranger = encode(tokenizer, rewrite(forget[i], strangers(forget[i].subject, 1, 9, pool, "",
+                                                                          rename="whole")[0]), 96).input_ids
+                name = set(range(len(ids))) - set(aligned(ids, stranger))  # the name's tokens (and padding)
+                targets = {t for t in range(1, len(ids)) if batch.labels[row, t] != -100}
+                on_name[rename] += len(targets & name)
+    # the tiny model completes the surname of an author it learnt, not a stranger's: with the first name replaced
+    # the drops lower it too; with the whole name replaced none does
+    assert on_name["first"] > 0 and on_name["whole"] == 0
 
 
 def test_closed_form_with_counterfactual_drops_forgets_and_keeps_retain(trained):
