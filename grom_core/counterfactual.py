@@ -155,9 +155,8 @@ def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example
     pool = sorted(set(pool))
     by_subject = {subject: strangers(subject, k, seed, pool, avoid, rename)
                   for subject in dict.fromkeys(examples[i].subject for i in named)}
-    names = {i: by_subject[examples[i].subject] for i in named}
     slot = {i: n * k for n, i in enumerate(named)}  # where example i's rewrites start in `theirs`
-    rewritten = [rewrite(examples[i], name) for i in named for name in names[i]]
+    rewritten = [rewrite(examples[i], stranger) for i in named for stranger in by_subject[examples[i].subject]]
     theirs = (next_token_logprobs(model, make_batches(tokenizer, rewritten, batch_size, max_length, fmt=fmt))
               if rewritten else {})
     drops, kept_batches, before = [], [], 0

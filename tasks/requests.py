@@ -22,6 +22,7 @@ from datetime import timedelta
 
 from grom_core.errors import DataError
 from tasks.catalog import Catalog, insert_dataset, now
+from tasks.records import TEXT_COLUMNS, text_rows
 
 PENDING, PROCESSING, DONE, REVIEW, REOPENED = "pending", "processing", "done", "review", "reopened"
 STATUSES = (PENDING, PROCESSING, DONE, REVIEW, REOPENED)
@@ -244,23 +245,20 @@ def requeue(catalog: Catalog, request_id: int) -> None:
 def batch_examples(catalog: Catalog, ids: list[int]) -> list[dict]:
     """The claimed requests' examples in request order, each example once (by sha256), as question/answer (with
     their subject where one was given) or text rows ready to be written to a forget file."""
-    with catalog.connect() as con:
-        rows = con.execute(
-            f"""SELECT e.sha256, e.question, e.answer, e.text, e.subject, e.purged FROM requests r
-                JOIN examples e ON e.dataset_digest = r.dataset_digest
-                WHERE r.request_id IN ({', '.join('?' * len(ids))}) ORDER BY r.request_id, e.example_index""",
-            ids).fetchall()
+    columns = ", ".join(f"e.{c}" for c in TEXT_COLUMNS)  # fixed names, not user input
+    rows = catalog.query(
+        f"""SELECT e.sha256, e.purged, {columns} FROM requests r JOIN examples e ON e.dataset_digest = r.dataset_digest
+            WHERE r.request_id IN ({', '.join('?' * len(ids))}) ORDER BY r.request_id, e.example_index""", ids)
     seen, out = set(), []
-    for sha, question, answer, text, subject, purged in rows:
-        if sha in seen:
+    for row in rows:
+        if row["sha256"] in seen:
             continue
-        if purged:
-            raise DataError(f"example {sha[:12]} of requests {ids} was purged; add the request again with its "
-                            f"file (`grom request add`)")
-        seen.add(sha)
-        row = {"text": text} if text is not None else {"question": question, "answer": answer}
-        out.append({**row, "subject": subject} if subject is not None else row)
-    return out
+        if row["purged"]:
+            raise DataError(f"example {row['sha256'][:12]} of requests {ids} was purged; add the request again with "
+                            f"its file (`grom request add`)")
+        seen.add(row["sha256"])
+        out.append(row)
+    return text_rows(out)
 
 
 def purge_text(con, ids: list[int]) -> int:
