@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
+from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
 from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import as_examples
@@ -33,56 +34,60 @@ class Ablation:
 
     name: str
     why: str
-    change: Callable[[GromParams], dict]
+    change: Callable[[GromParams, int], dict | None]  # (base parameters, the model's number of layers) -> changes
     targets: tuple[str, ...] = ("suppress", "corrupt")  # the target kinds the row applies to
     subjects: bool = False  # applies only to forget data that names its subjects (fact benchmarks)
     drops: tuple[str, ...] = ("specificity", "counterfactual")  # the drop kinds (of the base) it changes anything in
 
 
 ABLATIONS: tuple[Ablation, ...] = (
-    Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p: {}),
-    Ablation("library defaults", "GromParams() with the benchmark's target kind: the one default", lambda p: None),
-    Ablation("beta x0.5", "half the logit drop asked for", lambda p: {"beta": p.beta / 2}, ("suppress",),
+    Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p, n: {}),
+    Ablation("library defaults", "GromParams() with the benchmark's target kind: the one default", lambda p, n: None),
+    Ablation("beta x0.5", "half the logit drop asked for", lambda p, n: {"beta": p.beta / 2}, ("suppress",),
              drops=("specificity",)),
-    Ablation("beta x2", "twice the logit drop asked for", lambda p: {"beta": p.beta * 2}, ("suppress",),
+    Ablation("beta x2", "twice the logit drop asked for", lambda p, n: {"beta": p.beta * 2}, ("suppress",),
              drops=("specificity",)),
     Ablation("every answer token", "specificity a(y) without sharpening or threshold",
-             lambda p: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",), drops=("specificity",)),
+             lambda p, n: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",), drops=("specificity",)),
     Ablation("specific tokens only", "specificity sharpened (2) and thresholded (0.5)",
-             lambda p: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",), drops=("specificity",)),
-    Ablation("word starts only", "pieces inside a word are not suppressed", lambda p: {"word_starts_only": True},
+             lambda p, n: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",), drops=("specificity",)),
+    Ablation("word starts only", "pieces inside a word are not suppressed", lambda p, n: {"word_starts_only": True},
              ("suppress",), drops=("specificity",)),
-    Ablation("no LM head", "down-projections only", lambda p: {"edit_lm_head": False}, ("suppress",)),
+    Ablation("no LM head", "down-projections only", lambda p, n: {"edit_lm_head": False}, ("suppress",)),
     Ablation("parallel solve", "every module from the original keys, an equal share each",
-             lambda p: {"strategy": "parallel"}),
-    Ablation("weak retain constraint", "w_retain 1 instead of the parameters' value", lambda p: {"w_retain": 1.0}),
-    Ablation("ridge x100", "a hundred times the relative ridge", lambda p: {"relative_ridge": p.relative_ridge * 100}),
+             lambda p, n: {"strategy": "parallel"}),
+    Ablation("weak retain constraint", "w_retain 1 instead of the parameters' value", lambda p, n: {"w_retain": 1.0}),
+    Ablation("ridge x100", "a hundred times the relative ridge",
+             lambda p, n: {"relative_ridge": p.relative_ridge * 100}),
     Ablation("keys at answers", "forget keys at the answer positions (where the answers restate their subject, as the "
-             "defaults do)", lambda p: {"keys": "answer"}, ("suppress",), subjects=True),
+             "defaults do)", lambda p, n: {"keys": "answer"}, ("suppress",), subjects=True),
     Ablation("keys at subjects", "forget keys at the subjects' last tokens (where the answers are bare objects, as "
-             "the defaults do)", lambda p: {"keys": "subject"}, ("suppress",), subjects=True),
+             "the defaults do)", lambda p, n: {"keys": "subject"}, ("suppress",), subjects=True),
     Ablation("keys at subjects and answers", "forget keys at the subjects' last tokens and the answer positions",
-             lambda p: {"keys": "subject+answer"}, ("suppress",), subjects=True),
+             lambda p, n: {"keys": "subject+answer"}, ("suppress",), subjects=True),
     Ablation("specificity drops", "beta * a(y) at every answer position, not the counterfactual gaps",
-             lambda p: {"drops": "specificity"}, ("suppress",), drops=("counterfactual",)),
-    Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
-             "rest of the name", lambda p: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
-    Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p: {"gain": p.gain / 2}, ("suppress",),
+             lambda p, n: {"drops": "specificity"}, ("suppress",), drops=("counterfactual",)),
+    Ablation("drops by position", "each position lowers its own next token by its own gap (scope='position'), "
+             "not its subject's whole bag", lambda p, n: {"scope": "position"}, ("suppress",),
              drops=("counterfactual",)),
-    Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p: {"gain": p.gain * 2}, ("suppress",),
+    Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
+             "rest of the name", lambda p, n: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
+    Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p, n: {"gain": p.gain / 2}, ("suppress",),
+             drops=("counterfactual",)),
+    Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),
              drops=("counterfactual",)),
     Ablation("no retain budget", "the counterfactual edit at its full gain, whatever it costs the retain sample",
-             lambda p: {"retain_budget": None}, ("suppress",), drops=("counterfactual",)),
-    Ablation("every layer", "the band is every layer of the model", lambda p: {"band_width": 10_000,
-                                                                               "late_fraction": 1.0}),
+             lambda p, n: {"retain_budget": None}, ("suppress",), drops=("counterfactual",)),
+    Ablation("every layer", "every layer of the model is edited (below the LM head, which lowers a subject's bag, "
+             "the layers lower each position's own token)", lambda p, n: {"layers": tuple(range(n))}),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
-             lambda p: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
+             lambda p, n: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
 )
 
 
-def ablation_params(base: GromParams, row: Ablation, target: str) -> GromParams:
+def ablation_params(base: GromParams, row: Ablation, target: str, num_layers: int) -> GromParams:
     """The row's parameters: its change over `base`, or (change None) the library defaults with `target`."""
-    changes = row.change(base)
+    changes = row.change(base, num_layers)
     if changes is None:
         return GromParams(target=target, influence=False)
     return base.replace(**changes)
@@ -117,7 +122,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     _, drops = resolve_keys_and_drops(base, examples)
     applicable = [r for r in chosen if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
     for i, row in enumerate(applicable):
-        params = ablation_params(base, row, base.target)
+        params = ablation_params(base, row, base.target, ModelAdapter.for_model(model).num_layers)
         with measure() as cost:
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
                            prompt_format=bench.prompt_format)

@@ -11,6 +11,10 @@ the modules are solved from the lowest layer up; before each solve the forget ke
 edits so far applied, and the module is asked for its share of the logit drop that is still missing (measured on
 the real logits, MEMIT's way of spreading a residual over layers). strategy="parallel" solves every module from the
 original keys with an equal share of the drop: one pass instead of one per module, less accurate.
+
+What is asked at each forget position is a set of tokens and their logit drops (targets.TokenDrops): the gold next
+token alone (specificity drops, or counterfactual drops with scope="position"), or the whole bag of tokens flagged
+anywhere in the rows of the position's subject (scope="subject", the default where rows name their subjects).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from grom_core.scoring import answer_nll
 from grom_core.solver import solve_factors
 from grom_core.statistics import GramStats, StatsComputer, StatsStore, accumulate
 from grom_core.targets import (
+    TokenDrops,
     lm_head_suppression,
     representation_corruption,
     residual_suppression,
@@ -65,7 +70,8 @@ class GromParams(Params):
     """Hyper-parameters of the closed-form edit.
 
     Attributes:
-        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution.
+        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution (none at all
+            for counterfactual drops pooled by subject, which the LM head lowers alone: see `scope`).
         band_width: number of contiguous layers in the automatic band.
         late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression targets only).
@@ -82,6 +88,13 @@ class GromParams(Params):
         rename: counterfactual drops: which words of a subject the strangers replace: "first" (the first word:
             the drops also lower the rest of the name, which the model completes for the subject it knows) or
             "whole" (every word: only what follows the name is compared); see grom_core.counterfactual.
+        scope: counterfactual drops: which tokens each forget position is asked to lower: "position" (its own
+            next token, by its own drop) or "subject" (every token that is asked to drop anywhere in the rows of
+            its subject, by the largest drop asked of it there: the same bag at every position of a subject, which
+            the edit can only meet through what those keys share, the subject, so the facts also drop in phrasings
+            the solve never saw; see targets.TokenDrops.over_groups). The LM head lowers the bag (its rows are
+            the tokens: no other token's logit changes anywhere); with `layers` None no layer is edited, with
+            named layers they lower each position's own token first, and without the head they carry the bag.
         min_gap: counterfactual drops: positions whose gap (before the gain) is smaller, in nats of log-odds, are
             not forget keys: the model rates their token about as it would for anyone.
         retain_budget: counterfactual drops: the largest mean increase of the retain answers' token NLL (nats per
@@ -119,8 +132,9 @@ class GromParams(Params):
     gain: float = 6.0
     counterfactuals: int = 4
     rename: str = "first"
+    scope: str = "subject"
     min_gap: float = 0.5
-    retain_budget: float | None = 0.05
+    retain_budget: float | None = 0.04
     budget_examples: int = 32
     sharpness: float = 2.0
     threshold: float = 0.5
@@ -146,6 +160,8 @@ class GromParams(Params):
             raise ParamsError(f"drops must be 'auto', 'specificity' or 'counterfactual', got '{self.drops}'")
         if self.rename not in ("first", "whole"):
             raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
+        if self.scope not in ("position", "subject"):
+            raise ParamsError(f"scope must be 'position' or 'subject', got '{self.scope}'")
         if self.gain <= 0 or self.counterfactuals < 1 or self.min_gap < 0:
             raise ParamsError("need gain > 0, counterfactuals >= 1 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
@@ -198,17 +214,18 @@ class GromRun:
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
-def _head_logits(head: nn.Module, keys: torch.Tensor, tokens: torch.Tensor, delta: ModuleDelta | None = None
+def _head_logits(head: nn.Module, keys: torch.Tensor, rows: torch.Tensor, delta: ModuleDelta | None = None
                  ) -> torch.Tensor:
-    """(s,) logit of token y_t from LM-head keys (s, hidden), float64; `delta` adds an (unapplied) head edit."""
+    """(u, s) logits of tokens `rows` (u,) from LM-head keys (s, hidden), float64; `delta` adds an (unapplied)
+    head edit."""
     w = weight_out_in(head).detach()
-    rows = w[tokens.to(w.device)].double()
+    weights = w[rows.to(w.device)].double()
     if delta is not None:
-        rows = rows + delta.rows_at(tokens).to(rows.device)
-    logits = (rows * keys.double().to(w.device)).sum(dim=1)
+        weights = weights + delta.rows_at(rows).to(weights.device)
+    logits = weights @ keys.double().to(w.device).T
     bias = getattr(head, "bias", None)
     if bias is not None:
-        logits = logits + bias.detach().double()[tokens.to(bias.device)]
+        logits = logits + bias.detach().double()[rows.to(bias.device)][:, None]
     return logits.cpu()
 
 
@@ -234,6 +251,7 @@ class Prepared:
     drops: torch.Tensor | None = None  # (s,) counterfactual drops per forget position; None: beta * weights
     drops_kind: str = "specificity"
     retain_sample: list[Batch] | None = None  # where the retain budget is measured (counterfactual drops only)
+    drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -261,14 +279,16 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                                   smoothing=params.smoothing)
     if params.word_starts_only:
         weights = weights * word_start_mask(tokenizer, vocab)
-    drops, retain_sample = None, None
+    drops, retain_sample, groups = None, None, None
     if drops_kind == "counterfactual":
         forget_batches, drops, retain_sample = _counterfactual_inputs(model, tokenizer, forget_ex, retain_ex,
                                                                       forget_batches, fmt, params)
+        if params.scope == "subject":
+            groups = subject_groups(forget_ex)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
-                    retain_sample=retain_sample,
+                    retain_sample=retain_sample, drop_groups=groups,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
@@ -297,6 +317,16 @@ def _counterfactual_inputs(model: nn.Module, tokenizer, forget_ex: list[Example]
     return found.batches, found.drops, sample
 
 
+def subject_groups(examples: Sequence[Example]) -> torch.Tensor:
+    """(n,) one id per distinct subject; an example without a subject is a group of its own."""
+    ids: dict[str, int] = {}
+    out = []
+    for i, ex in enumerate(examples):
+        key = f"subject:{ex.subject}" if ex.subject is not None else f"example:{i}"
+        out.append(ids.setdefault(key, len(ids)))
+    return torch.tensor(out, dtype=torch.long)
+
+
 def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tuple[str, str]:
     """(keys, drops) with "auto" resolved for the forget examples: do they name their subjects, and do most
     answers repeat them (a QA sentence), not just a few that contain them ("Mexico City")?"""
@@ -315,8 +345,12 @@ def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tup
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
-    """The manual layers, or the best band by logit-lens attribution on the forget data (with the scores)."""
+    """The manual layers, or the best band by logit-lens attribution on the forget data (with the scores), or
+    none where the LM head lowers a subject's bag alone."""
     adapter = prep.adapter
+    if params.layers is None and prep.drop_groups is not None and params.edit_lm_head:
+        log.info("counterfactual drops pooled by subject: the LM head alone lowers them, no layer is edited")
+        return [], None
     if params.layers is not None:
         layers = sorted(set(params.layers))
         bad = [layer for layer in layers if not 0 <= layer < adapter.num_layers]
@@ -386,7 +420,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
           params: GromParams, scores: LayerScores | None = None) -> tuple[Edit, dict[str, SolveRecord]]:
     """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
-                               prep.drops)
+                               prep.drops, prep.drop_groups)
     deltas, records = solver.solve(modules)
     fit = None
     if prep.retain_sample is not None and params.retain_budget is not None:
@@ -509,8 +543,9 @@ class _SequentialSolver:
 
     def __init__(self, model, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
                  params: GromParams, stats: dict[str, GramStats], layers: list[int],
-                 drops: torch.Tensor | None = None) -> None:
-        self.model, self.adapter, self.batches, self.drops = model, adapter, forget_batches, drops
+                 drops: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> None:
+        self.model, self.adapter, self.batches = model, adapter, forget_batches
+        self.drops, self.groups = drops, groups
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
         self.achieved: dict[str, float] = {}
 
@@ -531,10 +566,20 @@ class _SequentialSolver:
         params, adapter = self.params, self.adapter
         base = self._collect(modules, None)
         tokens = base.next_tokens.cpu()
-        desired = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, params.beta)
-        if desired.numel() != tokens.numel():  # the drops were computed on other batches than the keys
-            raise RuntimeError(f"{desired.numel()} drops for {tokens.numel()} forget positions")
-        logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], tokens)
+        drops = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, params.beta)
+        if drops.numel() != tokens.numel():  # the drops were computed on other batches than the keys
+            raise RuntimeError(f"{drops.numel()} drops for {tokens.numel()} forget positions")
+        if self.groups is not None:
+            desired = TokenDrops.over_groups(tokens, drops, self.groups[base.example_ids.cpu()])
+        else:
+            desired = TokenDrops.at_next_tokens(tokens, drops)
+        asked = desired.entries()
+        # a subject's bag is the LM head's to lower (its rows are the tokens); the layers below it, when any are
+        # edited, lower only each position's own token: a residual change that lowers a whole bag moves far more
+        layer_asks = asked
+        if self.groups is not None and adapter.lm_head_name in modules:
+            layer_asks = asked & (desired.rows[:, None] == tokens[None, :])
+        logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], desired.rows)
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}
         got = base
@@ -543,12 +588,14 @@ class _SequentialSolver:
                 got = self._collect(modules, Edit(deltas=dict(deltas), base_fingerprint=""))
             if params.strategy == "sequential":
                 # the down-projections split what is still missing; the LM head, last, is asked for the rest
-                achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], tokens)
+                achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], desired.rows)
                 left_to_do = max(1, sum(1 for m in modules[i:] if m != adapter.lm_head_name))
-                share = (desired - achieved).clamp_min(0) / left_to_do
+                share = torch.where(asked, desired.amounts - achieved, 0.0).clamp_min(0) / left_to_do
             else:
-                share = desired / len(modules)
-            rows, targets = self._targets(name, got, share)
+                share = desired.amounts / len(modules)
+            if name != adapter.lm_head_name:
+                share = torch.where(layer_asks, share, 0.0)
+            rows, targets = self._targets(name, got, TokenDrops(desired.rows, share))
             keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
             st = self.stats[name]
             mu = _mu(st, params)
@@ -568,21 +615,20 @@ class _SequentialSolver:
             final = self._collect([], Edit(deltas={m: d for m, d in deltas.items() if m != adapter.lm_head_name},
                                            base_fingerprint=""))
         head_key = final.inputs[adapter.lm_head_name]
-        drop = logits0 - _head_logits(adapter.lm_head, head_key, tokens, deltas.get(adapter.lm_head_name))
-        self.achieved = {"asked_mean": float(desired.mean()), "achieved_mean": float(drop.mean())}
+        drop = logits0 - _head_logits(adapter.lm_head, head_key, desired.rows, deltas.get(adapter.lm_head_name))
+        # over every (token, position) asked: the gold token of each position, or a subject's whole bag
+        self.achieved = {"asked_mean": float(desired.amounts[asked].mean()), "achieved_mean": float(drop[asked].mean())}
         return deltas, records
 
-    def _targets(self, name: str, got, share: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _targets(self, name: str, got, share: TokenDrops) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(rows, D): the module's targets, D (out, s), or, for the LM head, its non-zero rows (u,) and D[rows]."""
         adapter = self.adapter
-        tokens = got.next_tokens.cpu()
         if self.params.target == "corrupt":
             layer = adapter.down_proj_names.index(name)
             h = got.outputs[adapter.block_names[layer]]
             c = self.params.corrupt_coefficient or suggest_coefficient(h)
             return None, representation_corruption(h, c, self.params.seed + layer)
         if name == adapter.lm_head_name:
-            return lm_head_suppression(tokens, share)
+            return lm_head_suppression(share)
         scale = adapter.norm_scale(got.inputs[adapter.final_norm_name])
-        unique, where = torch.unique(tokens, return_inverse=True)
-        return None, residual_suppression(where, share, adapter.unembedding(unique), scale)
+        return None, residual_suppression(share, adapter.unembedding(share.rows), scale)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -63,37 +64,93 @@ def word_start_mask(tokenizer, vocab_size: int) -> torch.Tensor:
     return mask
 
 
-def lm_head_suppression(next_tokens: torch.Tensor, drops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head's D (vocab, s), D[y_t, t] = -drop_t and zero elsewhere, stored by its non-zero rows only.
+@dataclass(frozen=True)
+class TokenDrops:
+    """Which tokens to lower at each forget position, and by how much (nats of log-odds).
 
-    Args:
-        next_tokens: (s,) gold next tokens y_t.
-        drops: (s,) desired logit drop at each position, e.g. beta * a(y_t) (see `suppression_drops`).
-    Returns (rows, d): rows (u,) the distinct tokens, sorted; d (u, s) float64 with D[rows] = d. Every norm the
-    solve and the influence audit take of D is the same on d (the other rows are zero).
+    Shapes: rows (u,) the distinct token ids asked to drop anywhere, sorted; amounts (u, s) float64 >= 0, the drop
+    asked of token rows[i] at forget position t (0: leave it). Built by `at_next_tokens` (each position lowers its
+    own gold next token, one non-zero per column) or `over_groups` (every position of a subject lowers every token
+    flagged at any of its positions).
     """
-    rows, where = torch.unique(next_tokens.cpu(), sorted=True, return_inverse=True)
-    s = next_tokens.numel()
-    d = torch.zeros(rows.numel(), s, dtype=torch.float64)
-    d[where, torch.arange(s)] = -drops.double().cpu()
-    return rows, d
+
+    rows: torch.Tensor
+    amounts: torch.Tensor
+
+    @classmethod
+    def at_next_tokens(cls, next_tokens: torch.Tensor, drops: torch.Tensor) -> TokenDrops:
+        """drops (s,) asked of the gold next tokens next_tokens (s,)."""
+        rows, where = torch.unique(next_tokens.cpu(), sorted=True, return_inverse=True)
+        amounts = torch.zeros(rows.numel(), next_tokens.numel(), dtype=torch.float64)
+        amounts[where, torch.arange(next_tokens.numel())] = drops.double().cpu()
+        return cls(rows, amounts)
+
+    @classmethod
+    def over_groups(cls, next_tokens: torch.Tensor, drops: torch.Tensor, groups: torch.Tensor) -> TokenDrops:
+        """Each group's drops spread over all its positions: at every position of group g, every token that is
+        the gold next token somewhere in g is asked to drop by the largest drop it has there.
+
+        Args:
+            next_tokens, drops: (s,) gold next tokens and the drops asked of them.
+            groups: (s,) group id of each position (the example's subject).
+        Why: the edit is a linear map of the keys. Asked for different tokens at each position of one subject, it
+        can only use what those positions' keys share (the subject) for their average; asked for the same bag at
+        all of them, the subject's direction in key space carries the whole bag, and that direction is also in
+        the keys of contexts the solve never saw (a paraphrase of the answer), where the facts then drop too.
+        """
+        own = cls.at_next_tokens(next_tokens, drops)
+        groups = groups.cpu()
+        amounts = torch.zeros_like(own.amounts)
+        for g in torch.unique(groups):
+            cols = groups == g
+            amounts[:, cols] = own.amounts[:, cols].amax(dim=1, keepdim=True)
+        keep = amounts.amax(dim=1) > 0
+        return cls(own.rows[keep], amounts[keep])
+
+    def entries(self) -> torch.Tensor:
+        """(u, s) bool: where a drop is asked."""
+        return self.amounts > 0
 
 
-def residual_suppression(next_tokens: torch.Tensor, drops: torch.Tensor, unembedding: torch.Tensor,
-                         norm_scale: torch.Tensor) -> torch.Tensor:
-    """D (hidden, s) for a down-projection: a residual change along u_{y_t} whose logit-lens effect on y_t is a
-    drop of drop_t.
+def lm_head_suppression(drops: TokenDrops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's D (vocab, s), D[rows[i], t] = -amounts[i, t] and zero elsewhere, stored by its non-zero rows.
+
+    Returns (rows (u,), d (u, s) float64) with D[rows] = d. Every norm the solve and the influence audit take of D
+    is the same on d (the other rows are zero).
+    """
+    return drops.rows, -drops.amounts
+
+
+def residual_suppression(drops: TokenDrops, unembedding: torch.Tensor, norm_scale: torch.Tensor) -> torch.Tensor:
+    """D (hidden, s) for a down-projection: at each position, the smallest residual change whose logit-lens effect
+    lowers each token asked there by its drop.
 
     Args:
-        next_tokens: (s,) gold next tokens.
-        drops: (s,) desired logit drops.
-        unembedding: (vocab, hidden) u_j (the adapter's `unembedding()`: head rows times the final norm's gain).
+        drops: what to lower where (u rows, s positions).
+        unembedding: (u, hidden) u_j of drops.rows (the adapter's `unembedding()`: head rows times the final
+            norm's gain).
         norm_scale: (s,) the final norm's divisor at each forget position (RMS, or std for LayerNorm).
-    The change is d_t = -drop_t scale_t u / ||u||^2, so <u, d_t> / scale_t = -drop_t.
+    d_t = -pinv(U_B) (a_B scale_t), B the tokens asked at t: for one token, d_t = -a scale_t u / ||u||^2, so
+    <u, d_t> / scale_t = -a.
     """
-    u = unembedding[next_tokens.cpu()].double()  # (s, hidden)
-    coef = -drops.double().cpu() * norm_scale.double().cpu() / u.pow(2).sum(dim=1).clamp_min(1e-12)
-    return (u * coef[:, None]).T.contiguous()
+    u = unembedding.double().cpu()
+    scale = norm_scale.double().cpu()
+    asked = drops.entries()
+    out = torch.zeros(u.shape[1], asked.shape[1], dtype=torch.float64)
+    count = asked.sum(dim=0)
+    one = count == 1  # the common case (each position its own token), in one step
+    if one.any():
+        row = asked[:, one].double().argmax(dim=0)
+        coef = -drops.amounts[row, one.nonzero().flatten()] * scale[one] / u[row].pow(2).sum(dim=1).clamp_min(1e-12)
+        out[:, one] = (u[row] * coef[:, None]).T
+    many = (count > 1).nonzero().flatten()
+    if many.numel():
+        patterns, which = torch.unique(asked[:, many].T, dim=0, return_inverse=True)
+        for k, pattern in enumerate(patterns):
+            cols = many[which == k]
+            ub = u[pattern]
+            out[:, cols] = -torch.linalg.pinv(ub) @ (drops.amounts[pattern][:, cols] * scale[cols])
+    return out
 
 
 def suppression_drops(next_tokens: torch.Tensor, weights: torch.Tensor, beta: float) -> torch.Tensor:

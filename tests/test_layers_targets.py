@@ -7,6 +7,7 @@ from grom_core.capture import collect
 from grom_core.data import iter_answer_tokens, make_batches
 from grom_core.layers import choose_band, score_layers
 from grom_core.targets import (
+    TokenDrops,
     lm_head_suppression,
     random_direction,
     representation_corruption,
@@ -26,7 +27,7 @@ def test_specificity_weights_by_hand():
 
 
 def test_lm_head_suppression_by_hand():
-    rows, d = lm_head_suppression(torch.tensor([2, 0, 2]), torch.tensor([1.0, 0.5, 2.0]))
+    rows, d = lm_head_suppression(TokenDrops.at_next_tokens(torch.tensor([2, 0, 2]), torch.tensor([1.0, 0.5, 2.0])))
     expected = torch.zeros(4, 3, dtype=torch.float64)
     expected[2, 0], expected[0, 1], expected[2, 2] = -1.0, -0.5, -2.0
     assert rows.tolist() == [0, 2]  # only the rows of the suppressed tokens are kept
@@ -35,14 +36,33 @@ def test_lm_head_suppression_by_hand():
     assert torch.equal(full, expected)
 
 
+def test_a_subject_bag_asks_every_position_for_every_token_of_its_subject():
+    tokens, drops = torch.tensor([5, 3, 5, 9, 3]), torch.tensor([1.0, 2.0, 4.0, 0.5, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    bag = TokenDrops.over_groups(tokens, drops, groups)
+    # subject 0 flagged 5 (largest drop 4) and 3 (2) at its three positions; subject 1 only 9 (token 3's drop is 0)
+    assert bag.rows.tolist() == [3, 5, 9]
+    assert bag.amounts.tolist() == [[2.0, 2.0, 2.0, 0.0, 0.0], [4.0, 4.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5, 0.5]]
+    alone = TokenDrops.over_groups(tokens, drops, torch.arange(5))  # one group per position: the gold tokens
+    gold = TokenDrops.at_next_tokens(tokens, drops)
+    assert torch.equal(alone.amounts, gold.amounts[gold.amounts.amax(dim=1) > 0])
+
+
 def test_residual_suppression_drops_the_logit_lens_by_the_asked_amount():
     gen = torch.Generator().manual_seed(0)
     u = torch.randn(10, 6, generator=gen, dtype=torch.float64)
     tokens, drops, scale = torch.tensor([3, 7, 3]), torch.tensor([2.0, 0.5, 1.0]), torch.tensor([1.5, 0.7, 3.0])
-    d = residual_suppression(tokens, drops, u, scale)
+    asked = TokenDrops.at_next_tokens(tokens, drops)
+    d = residual_suppression(asked, u[asked.rows], scale)
     assert d.shape == (6, 3)
     lens = (u[tokens] * d.T).sum(1) / scale
     assert lens.tolist() == pytest.approx((-drops).tolist())
+    # a bag: every asked token drops by its own amount, with the smallest change that does it
+    bag = TokenDrops.over_groups(tokens, drops, torch.tensor([0, 0, 0]))
+    d = residual_suppression(bag, u[bag.rows], scale)
+    lens = (u[bag.rows] @ d) / scale
+    assert torch.allclose(lens, -bag.amounts)
+    assert torch.allclose(d, -torch.linalg.pinv(u[bag.rows]) @ (bag.amounts * scale))
 
 
 def test_representation_corruption_moves_outputs_to_c_u():
