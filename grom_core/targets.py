@@ -99,11 +99,11 @@ class TokenDrops:
         the keys of contexts the solve never saw (a paraphrase of the answer), where the facts then drop too.
         """
         own = cls.at_next_tokens(next_tokens, drops)
-        groups = groups.cpu()
-        amounts = torch.zeros_like(own.amounts)
-        for g in torch.unique(groups):
-            cols = groups == g
-            amounts[:, cols] = own.amounts[:, cols].amax(dim=1, keepdim=True)
+        ids, where = torch.unique(groups.cpu(), return_inverse=True)
+        index = where[None, :].expand(own.rows.numel(), -1)
+        largest = torch.zeros(own.rows.numel(), ids.numel(), dtype=torch.float64)
+        largest = largest.scatter_reduce(1, index, own.amounts, reduce="amax")  # (u, groups)
+        amounts = largest[:, where]
         keep = amounts.amax(dim=1) > 0
         return cls(own.rows[keep], amounts[keep])
 
