@@ -573,12 +573,13 @@ class _SequentialSolver:
             desired = TokenDrops.over_groups(tokens, drops, self.groups[base.example_ids.cpu()])
         else:
             desired = TokenDrops.at_next_tokens(tokens, drops)
-        asked = desired.entries()
+        # the entries solved for: each position's own gold token (even where nothing is asked of it, so that a
+        # rise caused by the layers below is taken back) and, with a subject's bag, every token of the bag
+        own = desired.rows[:, None] == tokens[None, :]
+        asked = desired.entries() | own
         # a subject's bag is the LM head's to lower (its rows are the tokens); the layers below it, when any are
         # edited, lower only each position's own token: a residual change that lowers a whole bag moves far more
-        layer_asks = asked
-        if self.groups is not None and adapter.lm_head_name in modules:
-            layer_asks = asked & (desired.rows[:, None] == tokens[None, :])
+        layer_asks = own if self.groups is not None and adapter.lm_head_name in modules else asked
         logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], desired.rows)
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}
@@ -616,7 +617,7 @@ class _SequentialSolver:
                                            base_fingerprint=""))
         head_key = final.inputs[adapter.lm_head_name]
         drop = logits0 - _head_logits(adapter.lm_head, head_key, desired.rows, deltas.get(adapter.lm_head_name))
-        # over every (token, position) asked: the gold token of each position, or a subject's whole bag
+        # over the entries solved for: each position's gold token (the mean over positions), and a subject's bag
         self.achieved = {"asked_mean": float(desired.amounts[asked].mean()), "achieved_mean": float(drop[asked].mean())}
         return deltas, records
 
