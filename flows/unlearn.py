@@ -170,7 +170,7 @@ def write_report(outcome: Outcome, timings: dict) -> None:
         influence_plot(outcome.audit.read(), plots / "influence.png")
     lines = [f"# {u.method} edit {u.edit_id}", "", f"Modules: {', '.join(u.modules)}."]
     if u.stats:
-        lines.append(f"Layers {list(u.layers)}; retain statistics "
+        lines.append(f"Layers {list(u.layers) or 'none (the LM head alone)'}; retain statistics "
                      f"{'from the cache' if u.stats.cache_hit else 'computed'}.")
     if outcome.audit:
         lines.append("Influence is exact leave-one-out for each module with everything else held fixed (keys, "
