@@ -2,7 +2,8 @@
 
 Two kinds:
 - token suppression (generation benchmarks, TOFU/MUSE): lower the logit of the gold next token y_t, in proportion
-  to how characteristic y_t is of the forget set (the specificity weight a(y_t));
+  to how characteristic y_t is of the forget set (the specificity weight a(y_t)), or by its counterfactual gap
+  (grom_core.counterfactual), or a subject's whole bag of such tokens at each of its positions (`TokenDrops`);
 - representation corruption (multiple choice, WMDP): move a layer's output to c * u, u a seeded random unit vector.
 
 Units: `beta` is a logit drop (nats of log-odds). For the LM head the drop is exact before the retain constraint
