@@ -576,10 +576,10 @@ class _SequentialSolver:
         # the entries solved for: each position's own gold token (even where nothing is asked of it, so that a
         # rise caused by the layers below is taken back) and, with a subject's bag, every token of the bag
         own = desired.rows[:, None] == tokens[None, :]
-        asked = desired.entries() | own
+        solved = desired.entries() | own
         # a subject's bag is the LM head's to lower (its rows are the tokens); the layers below it, when any are
         # edited, lower only each position's own token: a residual change that lowers a whole bag moves far more
-        layer_asks = own if self.groups is not None and adapter.lm_head_name in modules else asked
+        layer_entries = own if self.groups is not None and adapter.lm_head_name in modules else solved
         logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], desired.rows)
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}
@@ -591,11 +591,11 @@ class _SequentialSolver:
                 # the down-projections split what is still missing; the LM head, last, is asked for the rest
                 achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], desired.rows)
                 left_to_do = max(1, sum(1 for m in modules[i:] if m != adapter.lm_head_name))
-                share = torch.where(asked, desired.amounts - achieved, 0.0).clamp_min(0) / left_to_do
+                share = torch.where(solved, desired.amounts - achieved, 0.0).clamp_min(0) / left_to_do
             else:
                 share = desired.amounts / len(modules)
             if name != adapter.lm_head_name:
-                share = torch.where(layer_asks, share, 0.0)
+                share = torch.where(layer_entries, share, 0.0)
             rows, targets = self._targets(name, got, TokenDrops(desired.rows, share))
             keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
             st = self.stats[name]
@@ -618,7 +618,8 @@ class _SequentialSolver:
         head_key = final.inputs[adapter.lm_head_name]
         drop = logits0 - _head_logits(adapter.lm_head, head_key, desired.rows, deltas.get(adapter.lm_head_name))
         # over the entries solved for: each position's gold token (the mean over positions), and a subject's bag
-        self.achieved = {"asked_mean": float(desired.amounts[asked].mean()), "achieved_mean": float(drop[asked].mean())}
+        self.achieved = {"asked_mean": float(desired.amounts[solved].mean()),
+                         "achieved_mean": float(drop[solved].mean())}
         return deltas, records
 
     def _targets(self, name: str, got, share: TokenDrops) -> tuple[torch.Tensor | None, torch.Tensor]:
