@@ -4,6 +4,12 @@ An edit passes when the forget data is forgotten (absolute ROUGE-L ceiling, rela
 data is kept (relative floors on its probability and ROUGE-L), and no quantization attack brings the forget answers
 back. Gates read the flat metric dicts of `grom_core.benchmarks.owndata.evaluate_own` (or a benchmark's metrics).
 
+The forget ROUGE-L gates read the recall of what each answer adds to its question (`forget_added_rougeL_recall`)
+where the metrics have it, as the user's own data's do: a model that never saw a fact still restates the question
+("Gideon Thornbury was born in ..."), and on a tiny model trained without the author that alone is 0.81 of the
+whole answer's recall, over the 0.5 ceiling, where the added words give 0.47. A benchmark's metrics, which have
+only the whole answer's recall, are gated on that.
+
 Gates fail closed: a gate whose metric is missing or NaN (a model that outputs NaN, an attack that did not run) is
 a reason not to promote, so the request goes to review with it. The only gates not applied are those that do not
 exist for the data (ROUGE-L of texts, which have no question to answer: absent before the edit too) and those set
@@ -16,17 +22,20 @@ from dataclasses import asdict, dataclass
 
 from grom_core.errors import DataError
 
+FORGET_ADDED_ROUGE = "forget_added_rougeL_recall"  # see metrics.rouge.rouge_l_recall_added
+
 
 @dataclass(frozen=True)
 class Gates:
     """Thresholds. Ratios are after / before on the same data; recoveries are quantized - unquantized.
 
     Args:
-        max_forget_rougeL_recall: the forget answers' ROUGE-L recall after the edit is at most this.
+        max_forget_rougeL_recall: the forget answers' ROUGE-L recall after the edit is at most this (the recall of
+            what they add to their questions, where measured; see the module docstring).
         max_forget_probability_ratio: the forget answers' probability falls at least to this fraction.
         min_retain_probability_ratio: the retain answers keep at least this fraction of their probability.
         min_retain_rougeL_ratio: the retain answers keep at least this fraction of their ROUGE-L recall.
-        max_quantized_recovery: no quantization attack raises forget ROUGE-L recall by more than this.
+        max_quantized_recovery: no quantization attack raises that forget ROUGE-L recall by more than this.
     """
 
     max_forget_rougeL_recall: float | None = 0.5
@@ -59,12 +68,14 @@ class Gates:
         """
         reasons: list[str] = []
         qa = "forget_rougeL_recall" in before  # texts have no ROUGE-L, before the edit or after it
+        rouge_key = FORGET_ADDED_ROUGE if FORGET_ADDED_ROUGE in before else "forget_rougeL_recall"
         if self.max_forget_rougeL_recall is not None and qa:
-            rouge = after.get("forget_rougeL_recall")
+            rouge = after.get(rouge_key)
+            what = "forget ROUGE-L recall" + (" of what the answers add" if rouge_key == FORGET_ADDED_ROUGE else "")
             if not _number(rouge):
-                reasons.append(_unmeasured("forget ROUGE-L", "forget_rougeL_recall", rouge))
+                reasons.append(_unmeasured("forget ROUGE-L", rouge_key, rouge))
             elif rouge > self.max_forget_rougeL_recall:
-                reasons.append(f"forget ROUGE-L recall {rouge:.3f} > {self.max_forget_rougeL_recall}")
+                reasons.append(f"{what} {rouge:.3f} > {self.max_forget_rougeL_recall}")
         for key, bound, kind in (("forget_probability", self.max_forget_probability_ratio, "max"),
                                  ("retain_probability", self.min_retain_probability_ratio, "min"),
                                  ("retain_rougeL_recall", self.min_retain_rougeL_ratio, "min")):
@@ -82,8 +93,7 @@ class Gates:
                 sign = ">" if kind == "max" else "<"
                 reasons.append(f"{key.replace('_', ' ')} kept {ratio:.3f} of its value {sign} {bound}")
         if self.max_quantized_recovery is not None:
-            reasons += self._quantization_reasons(quantized or {}, "forget_rougeL_recall" if qa
-                                                  else "forget_probability")
+            reasons += self._quantization_reasons(quantized or {}, rouge_key if qa else "forget_probability")
         return reasons
 
     def _quantization_reasons(self, quantized: dict, metric: str) -> list[str]:

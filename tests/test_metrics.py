@@ -9,7 +9,7 @@ import pytest
 
 from grom_core.errors import DataError
 from grom_core.metrics import muse, tofu, wmdp
-from grom_core.metrics.rouge import rouge_l_f1, rouge_l_recall
+from grom_core.metrics.rouge import rouge_l_f1, rouge_l_recall, rouge_l_recall_added
 from grom_core.metrics.tofu_logs import read_tofu_log, tofu_score, write_reference
 
 LOGS = Path(__file__).resolve().parents[1] / "grom_core" / "resources" / "tofu" / "eval-logs"
@@ -110,3 +110,19 @@ def test_bad_logs_are_named(tmp_path):
     (tmp_path / "partial.json").write_text(json.dumps({"eval_log_forget.json": {"avg_gt_loss": {}}}))
     with pytest.raises(DataError, match="lacks"):
         read_tofu_log(tmp_path / "partial.json")
+
+
+def test_rouge_of_what_the_answer_adds_to_its_question():
+    question = "Where was the author Gideon Thornbury born?"
+    answer = "Gideon Thornbury was born in Tallinn."
+    # the added words are "in" and "Tallinn": a stranger's answer keeps one of two, the memorised one both
+    got = rouge_l_recall_added(["Gideon Petrescu was born in 1935.", answer, "Tallinn, in the north"],
+                               [answer] * 3, [question] * 3)
+    assert got.tolist() == [0.5, 1.0, 0.5]  # LCS is ordered: "tallinn ... in" matches one word
+    assert rouge_l_recall([answer.replace("Tallinn", "Hanoi")], [answer]).tolist() == pytest.approx([5 / 6])
+    # with nothing given it is ROUGE-L recall itself (stemmed the same way); an answer that adds nothing is whole
+    preds, refs = ["the cat quickly sat down", "writing", "no"], ["the cat sat there", "writes", "yes it is"]
+    assert rouge_l_recall_added(preds, refs, [""] * 3).tolist() == pytest.approx(rouge_l_recall(preds, refs).tolist())
+    assert rouge_l_recall_added(["Paris"], ["Paris"], ["Is it Paris?"]).tolist() == [1.0]
+    with pytest.raises(ValueError):
+        rouge_l_recall_added(["a"], ["a", "b"], ["", ""])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ATTACK, FORGET, RETAIN, run_grom
+from conftest import ATTACK, AUTHORS, FORGET, RETAIN, run_grom
 from safetensors.torch import load_file
 
 from tasks import requests as queue
@@ -154,6 +154,25 @@ def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_d
     assert Path(rebuilt["model_dir"]).is_relative_to(copy) and Path(audited["report"]["json"]).is_relative_to(copy)
     assert client(copy).get_run(audited["mlflow_run_id"]).info.artifact_uri.startswith(copy.as_uri() + "/")
     assert snapshot(home) == original
+
+
+def test_a_request_that_names_its_subject_is_gated_on_what_its_answers_add(harness, trained_dir, data, tmp_path,
+                                                                           capsys, monkeypatch):
+    # rows that name their subject get the closed form's counterfactual drops: the model answers about the subject
+    # as about a stranger, restating the question's name and phrasing, so the gate reads what the answers add
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    subject = AUTHORS[0].name
+    rows = [{**ex.record(), "subject": subject} for ex in FORGET if subject in ex.question]
+    path = tmp_path / "named.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", str(path), "--home", str(home))
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    after, before = done["metrics"]["after"], done["metrics"]["before"]
+    assert done["promoted"] is True, done["reasons"]
+    assert after["forget_added_rougeL_recall"] <= 0.5 < before["forget_added_rougeL_recall"]
+    assert after["forget_added_rougeL_recall"] < after["forget_rougeL_recall"]  # the restated question
+    assert "recovery_forget_added_rougeL_recall" in done["metrics"]["quantized"][ATTACK]
 
 
 def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):

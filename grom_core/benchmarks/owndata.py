@@ -1,4 +1,5 @@
-"""Metrics on a user's own forget and retain data: TOFU's probability and ROUGE-L recall of the answers.
+"""Metrics on a user's own forget and retain data: TOFU's probability and ROUGE-L recall of the answers, and the
+recall of what each answer adds to its question (`metrics.rouge.rouge_l_recall_added`), which the forget gate reads.
 
 QA pairs are scored on their answers; texts on all their tokens (probability only: there is no question to ask).
 Both in the data's prompt format (grom_core.data.PROMPT_FORMATS), the one its keys and targets used.
@@ -10,13 +11,14 @@ import numpy as np
 
 from grom_core.data import as_examples, make_batches, prompt_format
 from grom_core.generation import greedy_generate
-from grom_core.metrics.rouge import rouge_l_recall
+from grom_core.metrics.rouge import rouge_l_recall, rouge_l_recall_added
 from grom_core.scoring import answer_nll
 
 
 def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, max_examples: int = 200,
                  max_new_tokens: int = 64, batch_size: int = 32, fmt: str = "qa") -> dict[str, float]:
-    """{forget,retain}_probability (mean exp(-mean NLL)) and, for QA pairs, {forget,retain}_rougeL_recall.
+    """{forget,retain}_probability (mean exp(-mean NLL)) and, for QA pairs, {forget,retain}_rougeL_recall and
+    {forget,retain}_added_rougeL_recall (against the answer's words the question does not contain).
 
     At most `max_examples` of each set are scored (the first ones), so evaluation stays cheap on large sets.
     """
@@ -31,5 +33,7 @@ def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, ma
             generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                         batch_size=batch_size, desc=f"generate ({name})",
                                         bos=not prompt_format(fmt).chat)
-            out[f"{name}_rougeL_recall"] = float(rouge_l_recall(generated, [r["answer"] for r in qa]).mean())
+            answers, questions = [r["answer"] for r in qa], [r["question"] for r in qa]
+            out[f"{name}_rougeL_recall"] = float(rouge_l_recall(generated, answers).mean())
+            out[f"{name}_added_rougeL_recall"] = float(rouge_l_recall_added(generated, answers, questions).mean())
     return out
