@@ -4,11 +4,12 @@ An edit passes when the forget data is forgotten (absolute ROUGE-L ceiling, rela
 data is kept (relative floors on its probability and ROUGE-L), and no quantization attack brings the forget answers
 back. Gates read the flat metric dicts of `grom_core.benchmarks.owndata.evaluate_own` (or a benchmark's metrics).
 
-The forget ROUGE-L gates read the recall of what each answer adds to its question (`forget_added_rougeL_recall`)
-where the metrics have it, as the user's own data's do: a model that never saw a fact still restates the question
-("Gideon Thornbury was born in ..."), and on a tiny model trained without the author that alone is 0.81 of the
-whole answer's recall, over the 0.5 ceiling, where the added words give 0.47. A benchmark's metrics, which have
-only the whole answer's recall, are gated on that.
+The forget ROUGE-L ceiling reads the recall of what each answer adds to its question (`forget_added_rougeL_recall`)
+where the metrics have it, as the user's own data's do: a model that never saw a fact still restates the question,
+so "Gideon Thornbury was born in Osaka." keeps 5/6 of the recall of "Gideon Thornbury was born in Tallinn." (over
+the ceiling) but 1/2 of what that answer adds to "Where was the author Gideon Thornbury born?". A benchmark's
+metrics, which have only the whole answer's recall, are gated on that. The quantization gate stays on the whole
+answer's recall: a recovery is a difference of one model's answers, where the restated question cancels.
 
 Gates fail closed: a gate whose metric is missing or NaN (a model that outputs NaN, an attack that did not run) is
 a reason not to promote, so the request goes to review with it. The only gates not applied are those that do not
@@ -35,7 +36,7 @@ class Gates:
         max_forget_probability_ratio: the forget answers' probability falls at least to this fraction.
         min_retain_probability_ratio: the retain answers keep at least this fraction of their probability.
         min_retain_rougeL_ratio: the retain answers keep at least this fraction of their ROUGE-L recall.
-        max_quantized_recovery: no quantization attack raises that forget ROUGE-L recall by more than this.
+        max_quantized_recovery: no quantization attack raises the forget answers' ROUGE-L recall by more than this.
     """
 
     max_forget_rougeL_recall: float | None = 0.5
@@ -93,7 +94,10 @@ class Gates:
                 sign = ">" if kind == "max" else "<"
                 reasons.append(f"{key.replace('_', ' ')} kept {ratio:.3f} of its value {sign} {bound}")
         if self.max_quantized_recovery is not None:
-            reasons += self._quantization_reasons(quantized or {}, rouge_key if qa else "forget_probability")
+            # a difference of one model's answers, quantized or not: the restated question is in both and cancels,
+            # and the whole answer's recall counts more words than the added ones alone
+            reasons += self._quantization_reasons(quantized or {}, "forget_rougeL_recall" if qa
+                                                  else "forget_probability")
         return reasons
 
     def _quantization_reasons(self, quantized: dict, metric: str) -> list[str]:

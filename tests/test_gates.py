@@ -73,13 +73,12 @@ def test_own_data_is_gated_on_what_the_answers_add_to_their_questions():
     # a model that never saw the subject restates the question: most of the whole answer's recall, little of the rest
     before = {**BEFORE, "forget_added_rougeL_recall": 1.0}
     after = {**AFTER, "forget_rougeL_recall": 0.61, "forget_added_rougeL_recall": 0.29}
-    attacked = {"rtn4": {"recovery_forget_rougeL_recall": 0.3, "recovery_forget_added_rougeL_recall": 0.02}}
-    assert Gates().check(before, after, attacked) == []
-    assert Gates().check(before, {**after, "forget_added_rougeL_recall": 0.6}, attacked) == [
+    assert Gates().check(before, after, ATTACKED) == []
+    assert Gates().check(before, {**after, "forget_added_rougeL_recall": 0.6}, ATTACKED) == [
         "forget ROUGE-L recall of what the answers add 0.600 > 0.5"]
-    assert Gates().check(before, after, {"rtn4": {"recovery_forget_added_rougeL_recall": 0.2}}) == [
-        "rtn4 quantization recovers forget added rougeL recall by +0.200 > 0.1"]
-    assert "forget_added_rougeL_recall is missing" in Gates().check(before, AFTER, attacked)[0]
+    assert "forget_added_rougeL_recall is missing" in Gates().check(before, AFTER, ATTACKED)[0]
     # a benchmark's metrics have only the whole answer's recall, and are gated on it
-    assert Gates().check(BEFORE, after, attacked) == ["forget ROUGE-L recall 0.610 > 0.5",
-                                                      "rtn4 quantization recovers forget rougeL recall by +0.300 > 0.1"]
+    assert Gates().check(BEFORE, after, ATTACKED) == ["forget ROUGE-L recall 0.610 > 0.5"]
+    # a recovery is a difference of one model's answers, where the restated question cancels: the whole answer's
+    recovered = {"rtn4": {"recovery_forget_rougeL_recall": 0.2}}
+    assert Gates().check(before, after, recovered) == ["rtn4 quantization recovers forget rougeL recall by +0.200 > 0.1"]

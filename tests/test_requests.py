@@ -172,7 +172,6 @@ def test_a_request_that_names_its_subject_is_gated_on_what_its_answers_add(harne
     assert done["promoted"] is True, done["reasons"]
     assert after["forget_added_rougeL_recall"] <= 0.5 < before["forget_added_rougeL_recall"]
     assert after["forget_added_rougeL_recall"] < after["forget_rougeL_recall"]  # the restated question
-    assert "recovery_forget_added_rougeL_recall" in done["metrics"]["quantized"][ATTACK]
 
 
 def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
@@ -596,7 +595,8 @@ def test_request_processing_killed_in_a_stage_is_completed_by_the_next_run(stage
     _killed(home, ["request", "process"], stage)
     assert request_statuses(home) == {1: ("processing", None)} and serving_version(home, "svc") == "1"
     done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
-    assert done["processed"] == [1] and done["promoted"] and request_statuses(home) == {1: ("done", done["version"])}
+    assert done["processed"] == [1] and done["promoted"], (done["reasons"], done["metrics"])
+    assert request_statuses(home) == {1: ("done", done["version"])}
     assert done["orphans_removed"] == (["2"] if stage == "register" else [])
     _consistent(home, "svc")
     assert serving_version(home, "svc") == done["version"]
