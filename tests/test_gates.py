@@ -79,7 +79,7 @@ def test_own_data_is_gated_on_what_the_answers_add_to_their_questions():
     assert "forget_added_rougeL_recall is missing" in Gates().check(before, AFTER, ATTACKED)[0]
     # a benchmark's metrics have only the whole answer's recall, and are gated on it
     assert Gates().check(BEFORE, after, ATTACKED) == ["forget ROUGE-L recall 0.610 > 0.5"]
-    # a recovery is a difference of one model's answers, where the restated question cancels: the whole answer's
+    # a recovery is a difference of one model's answers, where the restated question cancels: read on whole answers
     recovered = {"rtn4": {"recovery_forget_rougeL_recall": 0.2}}
     assert Gates().check(before, after, recovered) == [
         "rtn4 quantization recovers forget rougeL recall by +0.200 > 0.1"]
