@@ -53,6 +53,18 @@ def test_summary_says_why_forget_quality_is_missing():
     assert out["forget_quality"] == pytest.approx(1.0) and out["forget_quality_n"] == 2
 
 
+def test_summary_gives_both_sides_of_the_forget_truth_ratio():
+    # one model that knows neither answer, one whose answers are noise: the same truth ratios, told apart by the NLLs
+    unsure = tofu.SetScores("forget", np.zeros(2), np.array([2.0, 3.0]), np.array([[2.0, 2.0], [3.0, 3.0]]),
+                            np.ones(2), ["", ""])
+    noise = tofu.SetScores("forget", np.zeros(2), np.array([8.0, 9.0]), np.array([[7.0, 9.0], [9.0, 9.0]]),
+                           np.ones(2), ["", ""])
+    a, b = (tofu.tofu_summary({"forget": s}, None) for s in (unsure, noise))
+    assert a["forget_truth_ratio"] == b["forget_truth_ratio"] == pytest.approx(1.0)
+    assert (a["forget_paraphrased_nll"], a["forget_perturbed_nll"]) == pytest.approx((2.5, 2.5))
+    assert (b["forget_paraphrased_nll"], b["forget_perturbed_nll"]) == pytest.approx((8.5, 8.5))
+
+
 def test_rouge_by_hand():
     # reference 4 tokens, LCS "the cat sat" = 3 -> recall 3/4; prediction 5 tokens -> precision 3/5
     assert rouge_l_recall(["the cat quickly sat down"], ["the cat sat there"]).tolist() == pytest.approx([0.75])

@@ -182,7 +182,8 @@ def _wmdp_evaluate(model, tokenizer, splits, split, reference, *, batch_size: in
 TOFU_METRICS = MetricKeys(forget="forget_rougeL_recall", utility="model_utility",
                           recovery=("forget_rougeL_recall", "forget_probability"),
                           table=("forget_rougeL_recall", "forget_quality", "model_utility", "forget_probability",
-                                 "forget_truth_ratio", "retain_rougeL_recall", "retain_probability"))
+                                 "forget_truth_ratio", "forget_paraphrased_nll", "forget_perturbed_nll",
+                                 "retain_rougeL_recall", "retain_probability"))
 MUSE_METRICS = MetricKeys(forget="verbmem_rougeL_f1", utility="utility_preservation_rougeL_f1",
                           recovery=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1"),
                           table=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1", "utility_preservation_rougeL_f1",

@@ -126,6 +126,11 @@ class SetScores:
 def tofu_summary(sets: Mapping[str, SetScores], reference_forget_ratios: Sequence[float] | None) -> dict:
     """Flat TOFU metrics of one model: every set's aggregates, model_utility, and forget_quality with n.
 
+    Also the two sides of the forget set's truth ratio, forget_paraphrased_nll and forget_perturbed_nll (mean token
+    NLL, nats, averaged over the questions): a truth ratio near 1 can come from a model that rates a true and a false
+    answer alike because it knows neither fact, or from one whose answers are all noise (both NLLs high), which only
+    these tell apart.
+
     Without reference truth ratios, forget_quality is None and `forget_quality_unavailable` says why.
     """
     out: dict = {}
@@ -136,6 +141,8 @@ def tofu_summary(sets: Mapping[str, SetScores], reference_forget_ratios: Sequenc
         out["model_utility"] = model_utility(parts)
     forget = next((s for name, s in sets.items() if name.startswith("forget")), None)
     if forget is not None:
+        out["forget_paraphrased_nll"] = float(np.mean(forget.paraphrased_nll))
+        out["forget_perturbed_nll"] = float(np.mean(forget.perturbed_nll))
         if reference_forget_ratios is None:
             out["forget_quality"] = None
             out["forget_quality_unavailable"] = ("no retain-model reference: pass the per-question values of a "
