@@ -121,8 +121,9 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     named = any(ex.subject is not None for ex in examples)
     _, drops = resolve_keys_and_drops(base, examples)
     applicable = [r for r in chosen if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
+    num_layers = ModelAdapter.for_model(model).num_layers
     for i, row in enumerate(applicable):
-        params = ablation_params(base, row, base.target, ModelAdapter.for_model(model).num_layers)
+        params = ablation_params(base, row, base.target, num_layers)
         with measure() as cost:
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
                            prompt_format=bench.prompt_format)
