@@ -37,8 +37,10 @@ class Ablation:
     change: Callable[[GromParams, int], dict | None]  # (base parameters, the model's number of layers) -> changes
     targets: tuple[str, ...] = ("suppress", "corrupt")  # the target kinds the row applies to
     subjects: bool = False  # applies only to forget data that names its subjects (fact benchmarks)
-    drops: tuple[str, ...] = ("specificity", "counterfactual")  # the drop kinds (of the base) it changes anything in
+    drops: tuple[str, ...] = ("specificity", "counterfactual", "sentence")  # the base's drop kinds it changes
 
+
+MEASURED = ("counterfactual", "sentence")  # the drop kinds measured on the model, which gain and budget scale
 
 ABLATIONS: tuple[Ablation, ...] = (
     Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p, n: {}),
@@ -65,19 +67,19 @@ ABLATIONS: tuple[Ablation, ...] = (
              "the defaults do)", lambda p, n: {"keys": "subject"}, ("suppress",), subjects=True),
     Ablation("keys at subjects and answers", "forget keys at the subjects' last tokens and the answer positions",
              lambda p, n: {"keys": "subject+answer"}, ("suppress",), subjects=True),
-    Ablation("specificity drops", "beta * a(y) at every answer position, not the counterfactual gaps",
-             lambda p, n: {"drops": "specificity"}, ("suppress",), drops=("counterfactual",)),
+    Ablation("specificity drops", "beta * a(y) at every answer position, not the measured gaps (counterfactual or "
+             "sentence)", lambda p, n: {"drops": "specificity"}, ("suppress",), drops=MEASURED),
     Ablation("drops by position", "each position lowers its own next token by its own gap (scope='position'), "
              "not its subject's whole bag", lambda p, n: {"scope": "position"}, ("suppress",),
              drops=("counterfactual",)),
     Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
              "rest of the name", lambda p, n: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
-    Ablation("gain x0.5", "half the counterfactual gap's multiple", lambda p, n: {"gain": p.gain / 2}, ("suppress",),
-             drops=("counterfactual",)),
-    Ablation("gain x2", "twice the counterfactual gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),
-             drops=("counterfactual",)),
-    Ablation("no retain budget", "the counterfactual edit at its full gain, whatever it costs the retain sample",
-             lambda p, n: {"retain_budget": None}, ("suppress",), drops=("counterfactual",)),
+    Ablation("gain x0.5", "half the measured gap's multiple", lambda p, n: {"gain": p.gain / 2}, ("suppress",),
+             drops=MEASURED),
+    Ablation("gain x2", "twice the measured gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),
+             drops=MEASURED),
+    Ablation("no retain budget", "the edit at its full gain, whatever it costs the retain sample",
+             lambda p, n: {"retain_budget": None}, ("suppress",), drops=MEASURED),
     Ablation("every layer", "every layer of the model is edited (below the LM head, which lowers a subject's bag, "
              "the layers lower each position's own token)", lambda p, n: {"layers": tuple(range(n))}),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",

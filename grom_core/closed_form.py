@@ -49,6 +49,7 @@ from grom_core.layers import LayerScores, choose_band, score_layers
 from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
 from grom_core.scoring import answer_nll
+from grom_core.sentence_drops import sentence_drops
 from grom_core.solver import solve_factors
 from grom_core.statistics import GramStats, StatsComputer, StatsStore, accumulate
 from grom_core.targets import (
@@ -80,10 +81,13 @@ class GromParams(Params):
         drops: how much each forget position's gold token is lowered: "specificity" (beta * a(y_t), a the token's
             forget-specificity, see targets.specificity_weights), "counterfactual" (gain times the log-odds gap to
             what the model predicts when the subject is a stranger, see grom_core.counterfactual; needs subjects
-            and answer keys), or "auto": "counterfactual" where the forget data names subjects and the keys are
-            the answers, else "specificity".
+            and answer keys), "sentence" (gain times the log-odds gap to what the model predicts from the token's
+            own sentence alone, see grom_core.sentence_drops; needs answer keys), or "auto": "counterfactual"
+            where the forget data names subjects and the keys are the answers, else "sentence" where it holds
+            texts (passages that can be memorised word for word), else "specificity".
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
-        gain: counterfactual drops: multiple of the gap asked for (> 1 so that phrasings the edit never sees move).
+        gain: counterfactual and sentence drops: multiple of the gap asked for (> 1 so that phrasings the edit
+            never sees move).
         counterfactuals: counterfactual drops: invented names per example (their predictions are averaged).
         rename: counterfactual drops: which words of a subject the strangers replace: "first" (the first word:
             the drops also lower the rest of the name, which the model completes for the subject it knows) or
@@ -95,13 +99,14 @@ class GromParams(Params):
             the solve never saw; see targets.TokenDrops.over_groups). The LM head lowers the bag (its rows are
             the tokens: no other token's logit changes anywhere); with `layers` None no layer is edited, with
             named layers they lower each position's own token first, and without the head they carry the bag.
-        min_gap: counterfactual drops: positions whose gap (before the gain) is smaller, in nats of log-odds, are
-            not forget keys: the model rates their token about as it would for anyone.
-        retain_budget: counterfactual drops: the largest mean increase of the retain answers' token NLL (nats per
-            token, on `budget_examples` retain rows drawn with `seed`, their first 128 tokens) the edit may cause;
-            a larger edit is scaled down (alpha * P for every module, found by bisection on forward passes) until
-            it fits. How far `gain` can go depends on how entangled the forget facts are with the retain ones; the
-            budget finds out on the data. None: no limit.
+        min_gap: counterfactual and sentence drops: positions whose gap (before the gain) is smaller, in nats of
+            log-odds, are not forget keys: the model rates their token about as it would for anyone (or from its
+            sentence alone).
+        retain_budget: counterfactual and sentence drops: the largest mean increase of the retain answers' token
+            NLL (nats per token, on `budget_examples` retain rows drawn with `seed`, their first 128 tokens) the
+            edit may cause; a larger edit is scaled down (alpha * P for every module, found by bisection on forward
+            passes) until it fits. How far `gain` can go depends on how entangled the forget facts are with the
+            retain ones; the budget finds out on the data. None: no limit.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
@@ -156,8 +161,9 @@ class GromParams(Params):
             raise ParamsError(f"target must be 'suppress' or 'corrupt', got '{self.target}'")
         if self.keys not in ("auto", "answer", "subject", "subject+answer"):
             raise ParamsError(f"keys must be 'auto', 'answer', 'subject' or 'subject+answer', got '{self.keys}'")
-        if self.drops not in ("auto", "specificity", "counterfactual"):
-            raise ParamsError(f"drops must be 'auto', 'specificity' or 'counterfactual', got '{self.drops}'")
+        if self.drops not in ("auto", "specificity", "counterfactual", "sentence"):
+            raise ParamsError(f"drops must be 'auto', 'specificity', 'counterfactual' or 'sentence', got "
+                              f"'{self.drops}'")
         if self.rename not in ("first", "whole"):
             raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
         if self.scope not in ("position", "subject"):
@@ -248,9 +254,9 @@ class Prepared:
     forget_digest: str
     retain_digest: str
     stats_digest: str  # what the retain statistics depend on: the retain data, max_length and the prompt format
-    drops: torch.Tensor | None = None  # (s,) counterfactual drops per forget position; None: beta * weights
+    drops: torch.Tensor | None = None  # (s,) measured drops per forget position; None: beta * weights
     drops_kind: str = "specificity"
-    retain_sample: list[Batch] | None = None  # where the retain budget is measured (counterfactual drops only)
+    retain_sample: list[Batch] | None = None  # where the retain budget is measured (measured drops only)
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
 
 
@@ -280,10 +286,10 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     if params.word_starts_only:
         weights = weights * word_start_mask(tokenizer, vocab)
     drops, retain_sample, groups = None, None, None
-    if drops_kind == "counterfactual":
-        forget_batches, drops, retain_sample = _counterfactual_inputs(model, tokenizer, forget_ex, retain_ex,
-                                                                      forget_batches, fmt, params)
-        if params.scope == "subject":
+    if drops_kind in ("counterfactual", "sentence"):
+        forget_batches, drops, retain_sample = _measured_drops(model, tokenizer, forget_ex, retain_ex,
+                                                               forget_batches, fmt, params, drops_kind)
+        if drops_kind == "counterfactual" and params.scope == "subject":
             groups = subject_groups(forget_ex)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
@@ -295,19 +301,23 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                                                "prompt_format": fmt.name}]))
 
 
-def _counterfactual_inputs(model: nn.Module, tokenizer, forget_ex: list[Example], retain_ex: list[Example],
-                           forget_batches: list[Batch], fmt: PromptFormat, params: GromParams
-                           ) -> tuple[list[Batch], torch.Tensor, list[Batch] | None]:
-    """The forget batches cut to the positions that carry the facts, their drops (s,), and the retain sample the
-    budget is read on (None without a budget)."""
-    everything = [*forget_ex, *retain_ex]
-    text = " ".join(str(v) for ex in everything for v in ex.record().values())
-    pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
-    found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
-                                 gain=params.gain, min_gap=params.min_gap, seed=params.seed,
-                                 batch_size=params.batch_size, max_length=params.max_length, avoid=text, pool=pool,
-                                 rename=params.rename)
-    log.info("counterfactual drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewrites",
+def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retain_ex: list[Example],
+                    forget_batches: list[Batch], fmt: PromptFormat, params: GromParams, kind: str
+                    ) -> tuple[list[Batch], torch.Tensor, list[Batch] | None]:
+    """The forget batches cut to the positions that carry what the model knows (counterfactual or sentence drops,
+    `kind`), their drops (s,), and the retain sample the budget is read on (None without a budget)."""
+    if kind == "sentence":
+        found = sentence_drops(model, tokenizer, forget_ex, forget_batches, fmt, gain=params.gain,
+                               min_gap=params.min_gap, batch_size=params.batch_size)
+    else:
+        everything = [*forget_ex, *retain_ex]
+        text = " ".join(str(v) for ex in everything for v in ex.record().values())
+        pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
+        found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
+                                     gain=params.gain, min_gap=params.min_gap, seed=params.seed,
+                                     batch_size=params.batch_size, max_length=params.max_length, avoid=text,
+                                     pool=pool, rename=params.rename)
+    log.info("%s drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewritten rows", kind,
              found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
     sample = None
     if params.retain_budget is not None:
@@ -328,19 +338,26 @@ def subject_groups(examples: Sequence[Example]) -> torch.Tensor:
 
 
 def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tuple[str, str]:
-    """(keys, drops) with "auto" resolved for the forget examples: do they name their subjects, and do most
-    answers repeat them (a QA sentence), not just a few that contain them ("Mexico City")?"""
+    """(keys, drops) with "auto" resolved for the forget examples: do they name their subjects, do most answers
+    repeat them (a QA sentence), not just a few that contain them ("Mexico City"), and are there texts?"""
     subjects = [ex for ex in forget if ex.subject is not None]
     named = bool(subjects)
     restated = sum(ex.subject in ex.answer for ex in subjects) > len(subjects) / 2
     keys = ("subject" if named and not restated else "answer") if params.keys == "auto" else params.keys
     if keys != "answer" and not named:
         raise DataError(f"keys='{keys}' needs forget examples that name their subject (a 'subject' column)")
-    fits = named and keys == "answer" and params.target == "suppress"
-    drops = ("counterfactual" if fits else "specificity") if params.drops == "auto" else params.drops
+    measurable = keys == "answer" and params.target == "suppress"
+    fits = named and measurable
+    texts = any(ex.text is not None for ex in forget)
+    if params.drops == "auto":
+        drops = "counterfactual" if fits else "sentence" if texts and measurable else "specificity"
+    else:
+        drops = params.drops
     if drops == "counterfactual" and not fits:
         raise DataError("drops='counterfactual' needs forget examples that name their subject, keys='answer' and "
                         "target='suppress'")
+    if drops == "sentence" and not measurable:
+        raise DataError("drops='sentence' needs keys='answer' and target='suppress'")
     return keys, drops
 
 

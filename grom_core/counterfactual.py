@@ -122,7 +122,7 @@ def next_token_logprobs(model: nn.Module, batches: Sequence[Batch]) -> dict[int,
     return out
 
 
-def _logit(logp: torch.Tensor) -> torch.Tensor:
+def logit(logp: torch.Tensor) -> torch.Tensor:
     """log p - log(1 - p) from log p, exact near p = 1."""
     logp = logp.clamp(max=-1e-12)
     return logp - torch.log(-torch.expm1(logp))
@@ -203,5 +203,5 @@ def _gaps(own: tuple[list[int], torch.Tensor], rewrites: Sequence[tuple[list[int
     if seen.any():
         qbar = (probs[seen] / counts[seen]).clamp_min(1e-300).log()
         p = own_lp[torch.tensor(positions)[seen]]
-        gaps[seen] = (_logit(p) - _logit(qbar)).clamp_min(0)
+        gaps[seen] = (logit(p) - logit(qbar)).clamp_min(0)
     return gaps

@@ -10,10 +10,10 @@ from conftest import AUTHORS, FORGET, RETAIN
 from grom_core.adapter import ModelAdapter
 from grom_core.closed_form import GromParams, run_grom
 from grom_core.counterfactual import (
-    _logit,
     aligned,
     counterfactual_drops,
     invented_names,
+    logit,
     replacement_names,
     rewrite,
     strangers,
@@ -57,7 +57,7 @@ def test_alignment_maps_the_text_around_a_replaced_span():
 
 def test_logit_from_log_probability_is_exact_near_one():
     for p in (0.5, 0.1, 1 - 1e-9):
-        assert float(_logit(torch.tensor(math.log(p), dtype=torch.float64))) == pytest.approx(
+        assert float(logit(torch.tensor(math.log(p), dtype=torch.float64))) == pytest.approx(
             math.log(p / (1 - p)), rel=1e-6)
 
 

@@ -1,0 +1,113 @@
+"""Sentence drops: how much lower the model would rate each token if it had read only the token's own sentence.
+
+Forget data that names no subject (passages a model may have memorised word for word, and questions about them)
+gives the stranger rewrites of grom_core.counterfactual nothing to rename. What a model that never read such a
+passage predicts at a position is, roughly, what the sentence so far makes likely: the template's and the
+grammar's words. What it predicts beyond that, from the passage before, is what reading the passage added: which
+sentence comes next, the number a report gave, the person a question is about. So every token of the forget rows
+is read twice, in its row and in a cut-down row that keeps only its own sentence:
+
+    text rows:  BOS + the sentence up to the token (the passage before it cut away);
+    QA rows:    BOS + the prompt with an empty question + the answer's sentence up to the token (the question
+                cut away: the answer a model gives to any question).
+
+A sentence ends after a token whose text ends in ".", "!" or "?", or holds a line break. The drop asked at the
+position is, as for the counterfactual drops,
+
+    drop_t = gain * max(0, logit p(y_t | x_<=t) - logit q(y_t | the cut-down context)),
+
+and positions with a gap under `min_gap` are not forget keys. One forward pass per sentence gives every one of its
+tokens' cut-down ratings (causal attention: the prefix of a sentence is the cut-down context of its next token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from grom_core.capture import supervised_mask
+from grom_core.counterfactual import CounterfactualDrops, logit, next_token_logprobs
+from grom_core.data import (
+    IGNORE_INDEX,
+    Batch,
+    EncodedExample,
+    Example,
+    PromptFormat,
+    collate,
+    pad_token_id,
+    prompt_format,
+)
+from grom_core.errors import DataError
+
+SENTENCE_ENDS = (".", "!", "?")
+
+
+def sentence_ender(tokenizer) -> Callable[[int], bool]:
+    """token id -> whether a sentence ends after it (its text ends in . ! ? or holds a line break); cached per id."""
+    seen: dict[int, bool] = {}
+
+    def ends(token: int) -> bool:
+        if token not in seen:
+            text = tokenizer.decode([token])
+            seen[token] = "\n" in text or text.rstrip().endswith(SENTENCE_ENDS)
+        return seen[token]
+    return ends
+
+
+def sentence_spans(ids: Sequence[int], start: int, ends: Callable[[int], bool]) -> Iterator[tuple[int, int]]:
+    """Half-open [a, b) spans that cover ids[start:], a new one after every token that `ends` a sentence."""
+    a = start
+    for i in range(start, len(ids)):
+        if ends(ids[i]) or i == len(ids) - 1:
+            yield a, i + 1
+            a = i + 1
+
+
+def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
+                   fmt: str | PromptFormat, *, gain: float, min_gap: float, batch_size: int) -> CounterfactualDrops:
+    """The drops of the module docstring for `examples` (batched as `batches`, in order, by `make_batches`): (s,)
+    float64 per kept forget position in capture order, and the batches with only those positions supervised."""
+    fmt = prompt_format(fmt)
+    own = next_token_logprobs(model, batches)
+    ends = sentence_ender(tokenizer)
+    qa_prefix = fmt.prefix(tokenizer) + tokenizer.encode(fmt.prompt(tokenizer, ""), add_special_tokens=False)
+    cut: list[EncodedExample] = []
+    where: dict[tuple[int, int], tuple[int, int]] = {}  # (example id, token index) -> (cut row, index there)
+    for batch in batches:
+        mask = supervised_mask(batch)
+        for row, example_id in enumerate(batch.example_ids.tolist()):
+            ids = own[example_id][0]
+            first = int(mask[row].nonzero()[0]) + 1  # the first supervised token: the text's or the answer's
+            prefix = fmt.prefix(tokenizer) if examples[example_id].text is not None else qa_prefix
+            for a, b in sentence_spans(ids, first, ends):
+                for i in range(a, b):
+                    where[example_id, i] = (len(cut), len(prefix) + i - a)
+                cut.append(EncodedExample(prefix + ids[a:b], [IGNORE_INDEX] * (len(prefix) + b - a)))
+    cut_batches = [collate(cut[s:s + batch_size], range(s, min(s + batch_size, len(cut))), pad_token_id(tokenizer))
+                   for s in range(0, len(cut), batch_size)]
+    theirs = next_token_logprobs(model, cut_batches)
+    drops, kept, before = [], [], 0
+    for batch in batches:
+        labels = batch.labels.clone()
+        mask = supervised_mask(batch)
+        for row, example_id in enumerate(batch.example_ids.tolist()):
+            positions = mask[row].nonzero().flatten().tolist()
+            before += len(positions)
+            p = own[example_id][1][positions]
+            # without a BOS token a sentence's first token has no cut-down rating: its gap is 0
+            q = torch.stack([theirs[r][1][i - 1] if i > 0 else p[n]
+                             for n, (r, i) in enumerate(where[example_id, t + 1] for t in positions)])
+            for t, gap in zip(positions, (logit(p) - logit(q)).clamp_min(0).tolist(), strict=True):
+                if gap < min_gap:
+                    labels[row, t + 1] = IGNORE_INDEX
+                else:
+                    drops.append(gain * gap)
+        kept.append(Batch(batch.input_ids, batch.attention_mask, labels, batch.example_ids))
+    if not drops:
+        raise DataError(f"no forget token is rated above what its own sentence makes likely by {min_gap:.3g} nats "
+                        f"of log-odds or more: the model does not seem to have memorised these rows (or lower "
+                        f"min_gap)")
+    return CounterfactualDrops(drops=torch.tensor(drops, dtype=torch.float64), batches=kept,
+                               positions_before=before, rewrites=len(cut))
