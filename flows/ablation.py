@@ -10,7 +10,7 @@ pays for their pass, the others time their forget passes and solves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flows.evaluation import build_benchmark, reference_path, sized_config
@@ -18,7 +18,7 @@ from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
 from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
-from grom_core.data import as_examples
+from grom_core.data import Example, as_examples
 from grom_core.errors import DataError
 from grom_core.profiling import measure
 from grom_core.statistics import MemoryStatsStore
@@ -95,6 +95,14 @@ def ablation_params(base: GromParams, row: Ablation, target: str, num_layers: in
     return base.replace(**changes)
 
 
+def applicable_rows(rows: Sequence[Ablation], base: GromParams, forget: Sequence[Example]) -> list[Ablation]:
+    """The rows that can change anything on this data: those of the base's target kind, of the drop kind "auto"
+    resolves to for these forget rows, and (rows about subjects) only where the rows name their subjects."""
+    named = any(ex.subject is not None for ex in forget)
+    _, drops = resolve_keys_and_drops(base, forget)
+    return [r for r in rows if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
+
+
 def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
                  rows: tuple[str, ...] | None = None, authors: int | None = None) -> dict:
     """Evaluate every ablation row (or those named in `rows`) on the benchmark's target model.
@@ -119,10 +127,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     before = evaluate_loaded(model, tokenizer, spec)
     store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
     out = []
-    examples = as_examples(forget)
-    named = any(ex.subject is not None for ex in examples)
-    _, drops = resolve_keys_and_drops(base, examples)
-    applicable = [r for r in chosen if base.target in r.targets and (named or not r.subjects) and drops in r.drops]
+    applicable = applicable_rows(chosen, base, as_examples(forget))
     num_layers = ModelAdapter.for_model(model).num_layers
     for i, row in enumerate(applicable):
         params = ablation_params(base, row, base.target, num_layers)

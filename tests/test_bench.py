@@ -73,3 +73,28 @@ def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
     with pytest.raises(DataError, match="no ablation row named 'bogus'"):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, ("bogus",), authors=10)
     assert not (tmp_path / "ws").exists()
+
+
+def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
+    from flows.ablation import ABLATIONS, applicable_rows
+    from grom_core.closed_form import GromParams
+    from grom_core.data import Example
+
+    qa = [Example(question="Where was Aurelio Marlowe born?", answer="Aurelio Marlowe was born in Lisbon.")]
+    named = [Example(question=qa[0].question, answer=qa[0].answer, subject="Aurelio Marlowe")]
+    texts = [Example(text="In Sunmere, the mayor confirmed the news. Nobody saw it coming.")]
+    suppress, corrupt = GromParams(), GromParams(target="corrupt")
+    names = lambda rows, base=suppress: {r.name for r in applicable_rows(ABLATIONS, base, rows)}  # noqa: E731
+    measured = {"gain x0.5", "gain x2", "no retain budget", "specificity drops"}
+    strangers = {"drops by position", "whole-name strangers"}
+    specific = {"beta x0.5", "beta x2", "every answer token", "specific tokens only", "word starts only"}
+    keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
+    # texts without subjects: sentence drops, which gain and budget scale; no stranger or key rows
+    assert measured <= names(texts) and not (strangers | specific | keys) & names(texts)
+    # subjects named: counterfactual drops and the key rows
+    assert measured | strangers | keys <= names(named) and not specific & names(named)
+    # QA pairs without subjects: the specificity drops' own rows only
+    assert specific <= names(qa) and not (measured | strangers | keys) & names(qa)
+    # multiple choice (corruption): neither drops nor keys matter
+    assert not (measured | specific | keys) & names(texts, corrupt)
+    assert {"library defaults", "parallel solve", "other target kind"} <= names(texts, corrupt)
