@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import difflib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +136,7 @@ class CounterfactualDrops:
     drops: torch.Tensor
     batches: list[Batch]
     positions_before: int
-    rewrites: int
+    rewrites: int  # rows read for the comparison (stranger rewrites, or cut-down sentences)
 
 
 def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
@@ -159,6 +159,22 @@ def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example
     rewritten = [rewrite(examples[i], stranger) for i in named for stranger in by_subject[examples[i].subject]]
     theirs = (next_token_logprobs(model, make_batches(tokenizer, rewritten, batch_size, max_length, fmt=fmt))
               if rewritten else {})
+    def gaps_of(example_id: int, positions: list[int]) -> torch.Tensor:
+        if examples[example_id].subject is None:
+            return torch.zeros(len(positions), dtype=torch.float64)
+        return _gaps(own[example_id], [theirs[slot[example_id] + j] for j in range(k)], positions)
+
+    return drops_from_gaps(batches, gaps_of, gain=gain, min_gap=min_gap, rewrites=len(rewritten),
+                           nothing=f"no forget position is rated above what the model says of an unknown subject "
+                                   f"by {min_gap:.3g} nats of log-odds or more: the model does not seem to know "
+                                   f"these facts (or lower min_gap)")
+
+
+def drops_from_gaps(batches: Sequence[Batch], gaps_of: Callable[[int, list[int]], torch.Tensor], *, gain: float,
+                    min_gap: float, rewrites: int, nothing: str) -> CounterfactualDrops:
+    """`gain` x the gaps (`gaps_of(example id, supervised positions)` -> (len(positions),) float64) of every
+    forget position in capture order, keeping only positions whose gap reaches `min_gap` (the others are
+    unsupervised in the returned batches). Raises DataError(`nothing`) when no position is kept."""
     drops, kept_batches, before = [], [], 0
     for batch in batches:
         labels = batch.labels.clone()
@@ -166,21 +182,16 @@ def counterfactual_drops(model: nn.Module, tokenizer, examples: Sequence[Example
         for row, example_id in enumerate(batch.example_ids.tolist()):
             positions = mask[row].nonzero().flatten().tolist()
             before += len(positions)
-            gaps = torch.zeros(len(positions), dtype=torch.float64)
-            if examples[example_id].subject is not None:
-                gaps = _gaps(own[example_id], [theirs[slot[example_id] + j] for j in range(k)], positions)
-            for t, gap in zip(positions, gaps.tolist(), strict=True):
+            for t, gap in zip(positions, gaps_of(example_id, positions).tolist(), strict=True):
                 if gap < min_gap:
                     labels[row, t + 1] = IGNORE_INDEX
                 else:
                     drops.append(gain * gap)
         kept_batches.append(Batch(batch.input_ids, batch.attention_mask, labels, batch.example_ids))
     if not drops:
-        raise DataError(f"no forget position is rated above what the model says of an unknown subject by "
-                        f"{min_gap:.3g} nats of log-odds or more: the model does not seem to know these facts "
-                        f"(or lower min_gap)")
+        raise DataError(nothing)
     return CounterfactualDrops(drops=torch.tensor(drops, dtype=torch.float64), batches=kept_batches,
-                               positions_before=before, rewrites=len(rewritten))
+                               positions_before=before, rewrites=rewrites)
 
 
 def _gaps(own: tuple[list[int], torch.Tensor], rewrites: Sequence[tuple[list[int], torch.Tensor]],

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from grom_core.capture import supervised_mask
-from grom_core.counterfactual import CounterfactualDrops, logit, next_token_logprobs
+from grom_core.counterfactual import CounterfactualDrops, drops_from_gaps, logit, next_token_logprobs
 from grom_core.data import (
     IGNORE_INDEX,
     Batch,
@@ -39,7 +39,6 @@ from grom_core.data import (
     pad_token_id,
     prompt_format,
 )
-from grom_core.errors import DataError
 
 SENTENCE_ENDS = (".", "!", "?")
 
@@ -88,26 +87,15 @@ def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], bat
     cut_batches = [collate(cut[s:s + batch_size], range(s, min(s + batch_size, len(cut))), pad_token_id(tokenizer))
                    for s in range(0, len(cut), batch_size)]
     theirs = next_token_logprobs(model, cut_batches)
-    drops, kept, before = [], [], 0
-    for batch in batches:
-        labels = batch.labels.clone()
-        mask = supervised_mask(batch)
-        for row, example_id in enumerate(batch.example_ids.tolist()):
-            positions = mask[row].nonzero().flatten().tolist()
-            before += len(positions)
-            p = own[example_id][1][positions]
-            # without a BOS token a sentence's first token has no cut-down rating: its gap is 0
-            q = torch.stack([theirs[r][1][i - 1] if i > 0 else p[n]
-                             for n, (r, i) in enumerate(where[example_id, t + 1] for t in positions)])
-            for t, gap in zip(positions, (logit(p) - logit(q)).clamp_min(0).tolist(), strict=True):
-                if gap < min_gap:
-                    labels[row, t + 1] = IGNORE_INDEX
-                else:
-                    drops.append(gain * gap)
-        kept.append(Batch(batch.input_ids, batch.attention_mask, labels, batch.example_ids))
-    if not drops:
-        raise DataError(f"no forget token is rated above what its own sentence makes likely by {min_gap:.3g} nats "
-                        f"of log-odds or more: the model does not seem to have memorised these rows (or lower "
-                        f"min_gap)")
-    return CounterfactualDrops(drops=torch.tensor(drops, dtype=torch.float64), batches=kept,
-                               positions_before=before, rewrites=len(cut))
+
+    def gaps_of(example_id: int, positions: list[int]) -> torch.Tensor:
+        p = own[example_id][1][positions]
+        # without a BOS token a sentence's first token has no cut-down rating: its gap is 0
+        q = torch.stack([theirs[r][1][i - 1] if i > 0 else p[n]
+                         for n, (r, i) in enumerate(where[example_id, t + 1] for t in positions)])
+        return (logit(p) - logit(q)).clamp_min(0)
+
+    return drops_from_gaps(batches, gaps_of, gain=gain, min_gap=min_gap, rewrites=len(cut),
+                           nothing=f"no forget token is rated above what its own sentence makes likely by "
+                                   f"{min_gap:.3g} nats of log-odds or more: the model does not seem to have "
+                                   f"memorised these rows (or lower min_gap)")
