@@ -11,10 +11,18 @@ the ceiling) but 1/2 of what that answer adds to "Where was the author Gideon Th
 metrics, which have only the whole answer's recall, are gated on that. The quantization gate stays on the whole
 answer's recall: a recovery is a difference of one model's answers, where the restated question cancels.
 
+Texts have no question to answer: their forget gate is VerbMem (`forget_verbatim_rougeL`, how much of each text
+the model continues word for word from its first quarter) under `max_forget_verbatim_rougeL`, and its quantization
+gate the recovery of that. Where the forget data holds texts only, the forget probability gate is not applied: a
+model that never read a text still predicts most of its words (six minimuse articles, forgotten from a VerbMem of
+1.0 to 0.31, kept 0.85 of their probability), so halving it would ask for a model worse than one that never read
+them.
+
 Gates fail closed: a gate whose metric is missing or NaN (a model that outputs NaN, an attack that did not run) is
 a reason not to promote, so the request goes to review with it. The only gates not applied are those that do not
-exist for the data (ROUGE-L of texts, which have no question to answer: absent before the edit too) and those set
-to None (`--gates '{"max_quantized_recovery": null}'`), which switches a gate off on purpose.
+exist for the data (ROUGE-L of answers where there are only texts, VerbMem where there are only QA pairs: absent
+before the edit too; the forget probability of texts only) and those set to None (`--gates
+'{"max_quantized_recovery": null}'`), which switches a gate off on purpose.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import asdict, dataclass
 from grom_core.errors import DataError
 
 FORGET_ADDED_ROUGE = "forget_added_rougeL_recall"  # see metrics.rouge.rouge_l_recall_added
+FORGET_VERBATIM = "forget_verbatim_rougeL"  # see metrics.muse.verbatim_rouge
 
 
 @dataclass(frozen=True)
@@ -33,13 +42,17 @@ class Gates:
     Args:
         max_forget_rougeL_recall: the forget answers' ROUGE-L recall after the edit is at most this (the recall of
             what they add to their questions, where measured; see the module docstring).
-        max_forget_probability_ratio: the forget answers' probability falls at least to this fraction.
+        max_forget_verbatim_rougeL: the forget texts' VerbMem after the edit is at most this.
+        max_forget_probability_ratio: the forget answers' probability falls at least to this fraction (not applied
+            where the forget data holds texts only; see the module docstring).
         min_retain_probability_ratio: the retain answers keep at least this fraction of their probability.
         min_retain_rougeL_ratio: the retain answers keep at least this fraction of their ROUGE-L recall.
-        max_quantized_recovery: no quantization attack raises the forget answers' ROUGE-L recall by more than this.
+        max_quantized_recovery: no quantization attack raises the forget answers' ROUGE-L recall (texts only:
+            their VerbMem) by more than this.
     """
 
     max_forget_rougeL_recall: float | None = 0.5
+    max_forget_verbatim_rougeL: float | None = 0.5
     max_forget_probability_ratio: float | None = 0.5
     min_retain_probability_ratio: float | None = 0.8
     min_retain_rougeL_ratio: float | None = 0.9
@@ -77,10 +90,19 @@ class Gates:
                 reasons.append(_unmeasured("forget ROUGE-L", rouge_key, rouge))
             elif rouge > self.max_forget_rougeL_recall:
                 reasons.append(f"{what} {rouge:.3f} > {self.max_forget_rougeL_recall}")
+        texts = FORGET_VERBATIM in before  # the forget data holds texts
+        if self.max_forget_verbatim_rougeL is not None and texts:
+            verbatim = after.get(FORGET_VERBATIM)
+            if not _number(verbatim):
+                reasons.append(_unmeasured("forget VerbMem", FORGET_VERBATIM, verbatim))
+            elif verbatim > self.max_forget_verbatim_rougeL:
+                reasons.append(f"forget texts' VerbMem (ROUGE-L F1 of their continuations) {verbatim:.3f} > "
+                               f"{self.max_forget_verbatim_rougeL}")
         for key, bound, kind in (("forget_probability", self.max_forget_probability_ratio, "max"),
                                  ("retain_probability", self.min_retain_probability_ratio, "min"),
                                  ("retain_rougeL_recall", self.min_retain_rougeL_ratio, "min")):
-            if bound is None or (key.endswith("rougeL_recall") and not qa):
+            if bound is None or (key.endswith("rougeL_recall") and not qa) or (key == "forget_probability"
+                                                                               and texts and not qa):
                 continue
             was, now = before.get(key), after.get(key)
             if not (_number(was) and was > 0):
@@ -96,8 +118,8 @@ class Gates:
         if self.max_quantized_recovery is not None:
             # a difference of one model's answers, quantized or not: the restated question is in both and cancels,
             # and the whole answer's recall counts more words than the added ones alone
-            reasons += self._quantization_reasons(quantized or {}, "forget_rougeL_recall" if qa
-                                                  else "forget_probability")
+            metric = "forget_rougeL_recall" if qa else FORGET_VERBATIM if texts else "forget_probability"
+            reasons += self._quantization_reasons(quantized or {}, metric)
         return reasons
 
     def _quantization_reasons(self, quantized: dict, metric: str) -> list[str]:

@@ -44,7 +44,7 @@ from tasks.records import (
 
 log = logging.getLogger("grom.flow")
 
-OWN_DATA_RECOVERY = ("forget_rougeL_recall", "forget_probability")
+OWN_DATA_RECOVERY = ("forget_rougeL_recall", "forget_verbatim_rougeL", "forget_probability")
 
 
 def load_for_edit(model_dir: str):

@@ -83,3 +83,27 @@ def test_own_data_is_gated_on_what_the_answers_add_to_their_questions():
     recovered = {"rtn4": {"recovery_forget_rougeL_recall": 0.2}}
     assert Gates().check(before, after, recovered) == [
         "rtn4 quantization recovers forget rougeL recall by +0.200 > 0.1"]
+
+
+def test_texts_are_gated_on_verbmem_and_keep_the_probability_they_share_with_any_model():
+    before = {"forget_probability": 0.97, "retain_probability": 0.97, "forget_verbatim_rougeL": 1.0}
+    after = {"forget_probability": 0.82, "retain_probability": 0.93, "forget_verbatim_rougeL": 0.3}
+    attacked = {"rtn4": {"recovery_forget_verbatim_rougeL": 0.02, "recovery_forget_probability": 0.5}}
+    # texts only: forgotten word for word, though most of their words stay likely (0.85 of the probability)
+    assert Gates().check(before, after, attacked) == []
+    assert Gates().check(before, {**after, "forget_verbatim_rougeL": 0.7}, attacked) == [
+        "forget texts' VerbMem (ROUGE-L F1 of their continuations) 0.700 > 0.5"]
+    assert "forget_verbatim_rougeL is missing" in Gates().check(
+        before, {k: v for k, v in after.items() if k != "forget_verbatim_rougeL"}, attacked)[0]
+    # the attack is judged on VerbMem's recovery, which must be measured
+    assert Gates().check(before, after, {"rtn4": {"recovery_forget_verbatim_rougeL": 0.3}}) == [
+        "rtn4 quantization recovers forget verbatim rougeL by +0.300 > 0.1"]
+    assert "recovery_forget_verbatim_rougeL is missing" in Gates().check(
+        before, after, {"rtn4": {"recovery_forget_probability": 0.0}})[0]
+    assert Gates(max_forget_verbatim_rougeL=None).check(
+        before, {**after, "forget_verbatim_rougeL": 0.9}, attacked) == []
+    # QA pairs beside the texts: their gates apply as before, the forget probability included, and VerbMem too
+    mixed_before, mixed_after = {**BEFORE, "forget_verbatim_rougeL": 1.0}, {**AFTER, "forget_verbatim_rougeL": 0.7}
+    assert Gates().check(mixed_before, {**mixed_after, "forget_probability": 0.8}, ATTACKED) == [
+        "forget texts' VerbMem (ROUGE-L F1 of their continuations) 0.700 > 0.5",
+        "forget probability kept 0.889 of its value > 0.5"]

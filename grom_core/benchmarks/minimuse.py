@@ -142,15 +142,8 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
     forget, holdout = splits[forget_split], splits["holdout"]
     if not forget or not holdout:
         raise DataError("minimuse evaluation needs forget and holdout texts")
-    prompts, truths = [], []
-    for doc in forget:
-        ids = tokenizer.encode(doc["text"], add_special_tokens=False)
-        cut = max(1, int(len(ids) * prompt_tokens_fraction))
-        prompts.append(tokenizer.decode(ids[:cut]))
-        truths.append(tokenizer.decode(ids[cut:cut + 128]))
-    continuations = greedy_generate(model, tokenizer, prompts, max_new_tokens=128, batch_size=batch_size,
-                                    desc="VerbMem")
-    verbmem = rouge_l_f1(continuations, truths)
+    verbmem = muse.verbatim_rouge(model, tokenizer, [doc["text"] for doc in forget],
+                                  prompt_fraction=prompt_tokens_fraction, batch_size=batch_size)
 
     def knowmem(qa: list[dict], shot_pool: list[dict]) -> np.ndarray:
         shot_pairs = [(q["question"], q["answer"]) for q in shot_pool[:shots]]

@@ -49,3 +49,27 @@ def few_shot_prompt(shots: Sequence[tuple[str, str]], question: str) -> str:
     parts = [f"Question: {q}\nAnswer: {a}" for q, a in shots]
     parts.append(f"Question: {question}\nAnswer:")
     return "\n\n".join(parts)
+
+
+def verbatim_rouge(model, tokenizer, texts: Sequence[str], *, prompt_fraction: float = 0.25,
+                   max_new_tokens: int = 128, batch_size: int = 16, bos: bool = True) -> np.ndarray:
+    """VerbMem of each text (texts of fewer than two tokens are left out: nothing to continue): ROUGE-L F1 of the
+    greedy continuation of its first `prompt_fraction` of tokens (at least one) against its next `max_new_tokens`
+    tokens. `bos`: prompts start with the tokenizer's BOS, as in training."""
+    from grom_core.generation import greedy_generate
+    from grom_core.metrics.rouge import rouge_l_f1
+
+    prompts, truths = [], []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) < 2:
+            continue
+        cut = max(1, int(len(ids) * prompt_fraction))
+        prompts.append(tokenizer.decode(ids[:cut]))
+        truths.append(tokenizer.decode(ids[cut:cut + max_new_tokens]))
+    if not prompts:
+        return np.zeros(0)
+    continuations = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                    desc="VerbMem", bos=bos)
+    return rouge_l_f1(continuations, truths)
+
