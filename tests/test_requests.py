@@ -174,6 +174,39 @@ def test_a_request_that_names_its_subject_is_gated_on_what_its_answers_add(harne
     assert after["forget_added_rougeL_recall"] < after["forget_rougeL_recall"]  # the restated question
 
 
+def test_a_request_of_texts_is_gated_on_verbmem_and_its_recovery(harness, trained_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    # a model that has read each author's biography (answers in a row) until it continues them word for word
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    bios = {a.name: {"text": " ".join([ex.answer for ex in [*FORGET, *RETAIN] if a.name in ex.question][:4])}
+            for a in AUTHORS}  # four answers: within the tiny model's 96 positions
+    memorised = tmp_path / "memorised"
+    grom_json(capsys, monkeypatch, "finetune", "--data", write("read.jsonl", list(bios.values())), "--base",
+              str(trained_dir), "--out", str(memorised), "--epochs", "20")
+    home = tmp_path / "ws"
+    retain = write("retain.jsonl", [bios[a.name] for a in AUTHORS[2:]] + [ex.record() for ex in RETAIN])
+    grom_json(capsys, monkeypatch, "model", "register", "--model", str(memorised), "--retain", retain, "--home",
+              str(home), "--name", "svc", "--evaluation", json.dumps({"quantizers": [ATTACK]}))
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", write("bio.jsonl", [bios[AUTHORS[0].name]]),
+              "--home", str(home))
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    # texts get the closed form's sentence drops; the gates read how much of the text the model still continues
+    # word for word, not the probability of all its words, which a model that never read it keeps
+    after, before = done["metrics"]["after"], done["metrics"]["before"]
+    assert before["forget_verbatim_rougeL"] > 0.5 and after["forget_verbatim_rougeL"] < before["forget_verbatim_rougeL"]
+    assert "forget_rougeL_recall" not in before  # no question, no answer to recall
+    attacks = {k: v for k, v in done["metrics"]["quantized"].items() if not k.startswith("_")}
+    assert attacks and all("recovery_forget_verbatim_rougeL" in m for m in attacks.values())
+    assert not any("forget probability" in r for r in done["reasons"])
+    assert done["promoted"] is (not done["reasons"])
+    print(f"\n[figures] text request: VerbMem {before['forget_verbatim_rougeL']:.3f} -> "
+          f"{after['forget_verbatim_rougeL']:.3f}, forget probability {before['forget_probability']:.3f} -> "
+          f"{after['forget_probability']:.3f}, reasons {done['reasons']}")
+
+
 def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
     home = tmp_path / "ws"
     # an earlier run on the same examples leaves its own dataset, key shards and solve records in the lake
