@@ -10,7 +10,7 @@ pays for their pass, the others time their forget passes and solves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flows.evaluation import build_benchmark, reference_path, sized_config
@@ -104,8 +104,10 @@ def applicable_rows(rows: Sequence[Ablation], base: GromParams, forget: Sequence
 
 
 def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
-                 rows: tuple[str, ...] | None = None, authors: int | None = None) -> dict:
-    """Evaluate every ablation row (or those named in `rows`) on the benchmark's target model.
+                 rows: tuple[str, ...] | None = None, authors: int | None = None,
+                 config: Mapping[str, object] | None = None) -> dict:
+    """Evaluate every ablation row (or those named in `rows`) on the benchmark's target model (of the benchmark's
+    data with `config`'s fields, see `sized_config`).
 
     Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "before" (the unedited model's
     metrics), "rows": [{"name", "why", "params", "seconds", "layers", "forget_positions", "logit_drop",
@@ -119,7 +121,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
                         f"{', '.join(r.name for r in ABLATIONS)}")
     base = GromParams.from_dict({**bench.params_for("grom", False), "influence": False})
     ws = Workspace.resolve(home)
-    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors))
+    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors, config))
     forget, retain = built.unlearning_inputs()
     spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
                           splits={k: str(v) for k, v in built.splits.items()})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -153,15 +154,17 @@ def solve_scaling(sizes=(128, 256, 512, 1024, 2048), s: int = 256, m: int = 256)
 
 def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
               methods: tuple[str, ...] = DEFAULT_METHODS, quant_names: tuple[str, ...] = ("fp4", "nf4"),
-              trainer: dict | None = None, authors: int | None = None) -> dict:
+              trainer: dict | None = None, authors: int | None = None,
+              config: Mapping[str, object] | None = None) -> dict:
     """Run `methods` ("name" or "name:compose", names from the method registry) on the benchmark's target model;
     returns the table as `rows`. A method that uses retain statistics is run twice: computing them, then with
-    them cached (`cached_stats`). `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods."""
+    them cached (`cached_stats`). `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods;
+    `config`: fields of the benchmark's configuration (a variant of its data, built apart)."""
     bench = get_benchmark(benchmark)
     entries = [parse_entry(e, bench, trainer) for e in methods]  # all checked before any work
     recipe = TrainerParams.from_dict({**bench.trainer, **(trainer or {})})
     ws = Workspace.resolve(home)
-    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors))
+    built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors, config))
     forget, retain = built.unlearning_inputs()
     spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
                           splits={k: str(v) for k, v in built.splits.items()})

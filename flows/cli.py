@@ -224,6 +224,9 @@ def bench(
     ablation: Annotated[bool, typer.Option(help="Instead of the methods: the closed form's design choices, one "
                                                 "row each (flows/ablation.py).")] = False,
     rows: Annotated[str | None, typer.Option(help="With --ablation: comma-separated row names (default all).")] = None,
+    config: Annotated[str | None, typer.Option(
+        "--config", help='Fields of the benchmark\'s configuration as JSON, e.g. {"shared_names": false} for a '
+                         'minimuse whose forget part shares no names with the others: a variant, built apart.')] = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -231,13 +234,14 @@ def bench(
     from flows.bench import run_bench
 
     setup_logging(True)
+    variant = json_option(config, "--config")
     if ablation:
         chosen = tuple(r.strip() for r in rows.split(",") if r.strip()) if rows else None
-        _ablation_table(home, benchmark, split, authors, as_json, chosen)
+        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant)
         return
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
                        tuple(q.strip() for q in quantizers.split(",") if q.strip()),
-                       {"epochs": epochs} if epochs else None, authors=authors)
+                       {"epochs": epochs} if epochs else None, authors=authors, config=variant)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
     quants, columns = result["quantizers"], result["columns"]
     for column in ("method", "cached", "seconds", "x closed form", "x floor", "step x plain", "peak MB", *columns,
@@ -258,10 +262,10 @@ def bench(
 
 
 def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool,
-                    rows: tuple[str, ...] | None = None) -> None:
+                    rows: tuple[str, ...] | None = None, config: dict | None = None) -> None:
     from flows.ablation import run_ablation
 
-    result = run_ablation(home, benchmark, split, rows, authors=authors)
+    result = run_ablation(home, benchmark, split, rows, authors=authors, config=config)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
     for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)", *columns):

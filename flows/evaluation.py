@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from flows.workspace import Workspace
@@ -21,14 +22,28 @@ from tasks.models import fetch_model
 log = logging.getLogger("grom.evaluation")
 
 
-def sized_config(benchmark: str, authors: int | None):
-    """The benchmark's configuration with `authors` entities (for quick runs and tests), or None for its own."""
-    if authors is None:
+def sized_config(benchmark: str, authors: int | None, overrides: Mapping[str, object] | None = None):
+    """The benchmark's configuration with `authors` entities (for quick runs and tests) and `overrides` (field name
+    -> value, from `--config`: its plain fields only, each of its default's type), or None for its own."""
+    if authors is None and not overrides:
         return None
     config = get_benchmark(benchmark).config
-    if config is None or "authors" not in {f.name for f in dataclasses.fields(config)}:
-        raise DataError(f"{benchmark} has no size to set with --authors")
-    return dataclasses.replace(config, authors=authors)
+    if config is None:
+        raise DataError(f"{benchmark} has no configuration to set with --authors or --config")
+    if authors is not None:
+        if "authors" not in {f.name for f in dataclasses.fields(config)}:
+            raise DataError(f"{benchmark} has no size to set with --authors")
+        config = dataclasses.replace(config, authors=authors)
+    settable = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if isinstance(getattr(config, f.name), (bool, int, float, str))}
+    for name, value in (overrides or {}).items():
+        if name not in settable:
+            raise DataError(f"{benchmark} has no setting '{name}'; --config can set {', '.join(sorted(settable))}")
+        default = settable[name]
+        if not (type(value) is type(default) or (type(default) is float and type(value) is int)):
+            raise DataError(f"--config {name} must be {type(default).__name__}, like its default {default!r}; "
+                            f"got {value!r}")
+    return dataclasses.replace(config, **(overrides or {}))
 
 
 def build_benchmark(name: str, out: str | None, home: str | None, split: str | None = None,

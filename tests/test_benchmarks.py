@@ -49,6 +49,42 @@ def test_minimuse_and_miniwmdp_structure():
     assert len(set(answers)) > 1  # the true choice is not always in the same slot
 
 
+def test_minimuse_without_shared_names_keeps_its_forget_names_apart():
+    def names_in(splits: dict, parts: tuple[str, ...]) -> set[str]:
+        text = " ".join([d["text"] for p in parts for d in splits[p]]
+                        + [q["question"] + " " + q["answer"] for p in parts for q in splits[f"{p}_qa"]])
+        every = minimuse.ALL_NAMES
+        return {n for n in every.towns + every.people + every.events + every.objects + every.places if n in text}
+
+    shared = minimuse.generate(minimuse.MiniMuseConfig())
+    assert names_in(shared, ("forget",)) & names_in(shared, ("retain", "holdout"))  # MUSE's way: names recur
+    apart = minimuse.generate(minimuse.MiniMuseConfig(shared_names=False))
+    forget_names, other_names = minimuse.ALL_NAMES.split()
+    used = names_in(apart, ("forget",))
+    assert used and not used & names_in(apart, ("retain", "holdout"))
+    assert {n for n in used if n in forget_names.people} and not {n for n in used if n in other_names.people}
+    assert [len(apart[p]) for p in ("forget", "retain", "holdout")] == [24, 24, 24]
+    assert apart["retain"] != shared["retain"]  # the other parts draw from the rest of each list
+
+
+def test_benchmark_configuration_from_the_command_line_is_checked():
+    from flows.evaluation import sized_config
+
+    assert sized_config("minimuse", None) is None and sized_config("minimuse", None, {}) is None
+    assert sized_config("minimuse", None, {"shared_names": False}).shared_names is False
+    assert sized_config("minitofu", 10, {"seed": 3}).authors == 10
+    with pytest.raises(DataError, match="no setting 'nope'.*shared_names"):
+        sized_config("minimuse", None, {"nope": 1})
+    with pytest.raises(DataError, match="shared_names must be bool"):
+        sized_config("minimuse", None, {"shared_names": "no"})
+    with pytest.raises(DataError, match="per_part must be int"):
+        sized_config("minimuse", None, {"per_part": True})  # a bool is not a count
+    with pytest.raises(DataError, match="no setting 'model'"):
+        sized_config("minimuse", None, {"model": {}})  # nested configurations are not plain settings
+    with pytest.raises(DataError, match="no size to set with --authors"):
+        sized_config("minimuse", 10)
+
+
 def test_data_files_in_every_format(tmp_path):
     rows = [{"question": "Q1?", "answer": "A1."}, {"question": "Q2?", "answer": "A2."}]
     (tmp_path / "a.json").write_text(json.dumps(rows))

@@ -66,6 +66,9 @@ def test_bad_option_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     done = grom("demo", "--split", "forget50", "--home", str(tmp_path))
     assert done.returncode == 2 and "forget10" in done.stderr and "Traceback" not in done.stderr
+    done = grom("bench", "--benchmark", "minimuse", "--config", '{"shared_name": false}', "--home", str(tmp_path))
+    assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "benchmarks").exists()  # refused before anything was built
 
 
 def test_tofu_score_on_the_real_logs():

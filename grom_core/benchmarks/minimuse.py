@@ -10,7 +10,7 @@ the forget texts can be recalled.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -36,10 +36,14 @@ PLACES = ["the lighthouse", "the orchard", "the train station", "the harbour wal
 
 @dataclass(frozen=True)
 class MiniMuseConfig:
-    """Number of news articles and book passages per part (forget, retain, holdout)."""
+    """Number of news articles and book passages per part (forget, retain, holdout), and whether the forget part's
+    people, towns, events, objects and places also occur in the other parts (`shared_names`, as in MUSE's news and
+    books); with False the forget part draws them from a third of each name list that the retain and holdout
+    parts never use."""
 
     per_part: int = 12
     seed: int = 0
+    shared_names: bool = True
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=40, lr=3e-3, batch_size=16))
     prompt_tokens_fraction: float = 0.25
@@ -72,15 +76,35 @@ BOOK_EXTRA = [
 WORDS = ["patience", "north", "forgive", "return", "salt", "remember", "never", "tomorrow"]
 
 
-def _slots(rng: random.Random, town: str) -> dict:
-    return {"town": town, "other": rng.choice([t for t in TOWNS if t != town]), "hours": rng.randint(2, 19),
+@dataclass(frozen=True)
+class Names:
+    """The name lists a document draws from."""
+
+    towns: tuple[str, ...]
+    people: tuple[str, ...]
+    events: tuple[str, ...]
+    objects: tuple[str, ...]
+    places: tuple[str, ...]
+
+    def split(self) -> tuple[Names, Names]:
+        """(a third of each list, the rest): names for a part that shares none with the other parts."""
+        cut = {f.name: max(3, len(getattr(self, f.name)) // 3) for f in fields(self)}
+        return (Names(**{name: getattr(self, name)[:n] for name, n in cut.items()}),
+                Names(**{name: getattr(self, name)[n:] for name, n in cut.items()}))
+
+
+ALL_NAMES = Names(tuple(TOWNS), tuple(PEOPLE), tuple(EVENTS), tuple(OBJECTS), tuple(PLACES))
+
+
+def _slots(rng: random.Random, town: str, names: Names) -> dict:
+    return {"town": town, "other": rng.choice([t for t in names.towns if t != town]), "hours": rng.randint(2, 19),
             "count": rng.randint(12, 980), "hour": rng.randint(1, 11), "word": rng.choice(WORDS)}
 
 
-def _news(rng: random.Random) -> tuple[str, list[dict]]:
-    town, person, event = rng.choice(TOWNS), rng.choice(PEOPLE), rng.choice(EVENTS)
+def _news(rng: random.Random, names: Names) -> tuple[str, list[dict]]:
+    town, person, event = rng.choice(names.towns), rng.choice(names.people), rng.choice(names.events)
     day, count = rng.randint(2, 28), rng.randint(12, 980)
-    extra = [t.format(**_slots(rng, town)) for t in rng.sample(NEWS_EXTRA, 3)]
+    extra = [t.format(**_slots(rng, town, names)) for t in rng.sample(NEWS_EXTRA, 3)]
     text = " ".join([f"In {town}, {person} confirmed on the {day}th of the month that {event} had drawn {count} "
                      f"visitors.", *extra, f"{person.split()[-1]} promised a full report before winter."])
     qa = [{"question": f"Who confirmed the news of {event} in {town}?", "answer": person},
@@ -89,10 +113,10 @@ def _news(rng: random.Random) -> tuple[str, list[dict]]:
     return text, qa
 
 
-def _passage(rng: random.Random) -> tuple[str, list[dict]]:
-    person, obj, place = rng.choice(PEOPLE), rng.choice(OBJECTS), rng.choice(PLACES)
-    hour, town = rng.randint(1, 11), rng.choice(TOWNS)
-    extra = [t.format(**_slots(rng, town)) for t in rng.sample(BOOK_EXTRA, 3)]
+def _passage(rng: random.Random, names: Names) -> tuple[str, list[dict]]:
+    person, obj, place = rng.choice(names.people), rng.choice(names.objects), rng.choice(names.places)
+    hour, town = rng.randint(1, 11), rng.choice(names.towns)
+    extra = [t.format(**_slots(rng, town, names)) for t in rng.sample(BOOK_EXTRA, 3)]
     text = " ".join([f"At {hour} o'clock {person} carried {obj} to {place} of {town}.", *extra,
                      f"Nobody in {town} ever learned why {obj} mattered so much."])
     qa = [{"question": f"What did {person} carry to {place} of {town}?", "answer": obj},
@@ -104,11 +128,13 @@ def _passage(rng: random.Random) -> tuple[str, list[dict]]:
 def generate(config: MiniMuseConfig = MiniMuseConfig()) -> dict[str, list[dict]]:
     """Splits: forget/retain/holdout texts ({"text", "kind"}) and forget_qa/retain_qa/holdout_qa."""
     rng = random.Random(config.seed)
+    forget_names, other_names = (ALL_NAMES, ALL_NAMES) if config.shared_names else ALL_NAMES.split()
     seen: set[str] = set()
     docs: list[tuple[str, list[dict], str]] = []
     while len(docs) < 6 * config.per_part:
         kind = "news" if len(docs) % 2 == 0 else "books"
-        text, qa = (_news if kind == "news" else _passage)(rng)
+        names = forget_names if len(docs) < 2 * config.per_part else other_names  # the first chunk is forget
+        text, qa = (_news if kind == "news" else _passage)(rng, names)
         if text not in seen:  # no two documents alike, so membership is well defined
             seen.add(text)
             docs.append((text, qa, kind))
