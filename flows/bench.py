@@ -218,8 +218,9 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
               "columns": list(bench.metrics.table[:bench.metrics.shown]), "throughput": throughput,
               "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,
-              "quantizers": list(quants), "trainer": recipe.to_dict()}
-    plot = ws.root / "bench" / f"pareto-{benchmark}-{built.split}.png"
+              "quantizers": list(quants), "trainer": recipe.to_dict(), "config": dict(config or {})}
+    # the build's folder name carries its configuration's digest: a variant's plot does not replace the benchmark's
+    plot = ws.root / "bench" / f"pareto-{built.root.name}-{built.split}.png"
     result["plot"] = str(pareto_plot(rows, plot, bench.metrics.utility, bench.metrics.forget))
     result["mlflow"] = log_bench(ws.root, result)
     return result
@@ -260,7 +261,8 @@ def log_bench(root: Path, result: dict) -> dict:
     configure(root)
     with mlflow.start_run(run_name=f"bench-{result['benchmark']}-{result['split']}") as parent:
         mlflow.log_params({"benchmark": result["benchmark"], "split": result["split"],
-                           "quantizers": ",".join(result["quantizers"])})
+                           "quantizers": ",".join(result["quantizers"]),
+                           **{f"config.{k}": v for k, v in result["config"].items()}})
         mlflow.log_metrics({f"throughput.{k}": v for k, v in result["throughput"].items()})
         mlflow.log_artifact(result["plot"], artifact_path="plots")
         children = []

@@ -1,5 +1,7 @@
 """`grom bench` on a small minitofu: every row has the fixed keys, times, quantized metrics, a plot and MLflow runs."""
 
+from pathlib import Path
+
 import pytest
 from conftest import ATTACK
 
@@ -28,7 +30,8 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
     assert all(r["time_ratio_to_floor"] == pytest.approx(r["seconds"] / result["floor_seconds"]) for r in rows)
     after, before = rows[0]["metrics"], result["before"]
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
-    assert (tmp_path / "bench").is_dir() and result["plot"].endswith(".png")
+    assert (tmp_path / "bench").is_dir() and result["plot"].endswith(".png") and result["config"] == {}
+    assert Path(result["plot"]).name.startswith("pareto-minitofu-")  # the build's folder: one plot per variant
     assert len(result["mlflow"]["children"]) == 3
     from mlflow.tracking import MlflowClient
 
