@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from grom_core.errors import DataError
+from grom_core.metrics.muse import FORGET_VERBATIM
 
 FORGET_ADDED_ROUGE = "forget_added_rougeL_recall"  # see metrics.rouge.rouge_l_recall_added
-FORGET_VERBATIM = "forget_verbatim_rougeL"  # see metrics.muse.verbatim_rouge
 
 
 @dataclass(frozen=True)

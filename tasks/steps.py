@@ -24,6 +24,7 @@ from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.fingerprint import data_digest, weights_fingerprint
 from grom_core.loading import load_model
 from grom_core.methods import MethodContext, get_method
+from grom_core.metrics.muse import FORGET_VERBATIM
 from grom_core.profiling import measure
 from grom_core.statistics import GramStats
 from tasks import lake
@@ -44,7 +45,7 @@ from tasks.records import (
 
 log = logging.getLogger("grom.flow")
 
-OWN_DATA_RECOVERY = ("forget_rougeL_recall", "forget_verbatim_rougeL", "forget_probability")
+OWN_DATA_RECOVERY = ("forget_rougeL_recall", FORGET_VERBATIM, "forget_probability")
 
 
 def load_for_edit(model_dir: str):

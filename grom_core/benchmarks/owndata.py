@@ -13,7 +13,7 @@ import numpy as np
 
 from grom_core.data import as_examples, make_batches, prompt_format
 from grom_core.generation import greedy_generate
-from grom_core.metrics.muse import verbatim_rouge
+from grom_core.metrics.muse import FORGET_VERBATIM, verbatim_rouge
 from grom_core.metrics.rouge import rouge_l_recall, rouge_l_recall_added
 from grom_core.scoring import answer_nll
 
@@ -47,5 +47,5 @@ def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, ma
             verbatim = verbatim_rouge(model, tokenizer, texts, max_new_tokens=max_verbatim_tokens,
                                       batch_size=batch_size, bos=not prompt_format(fmt).chat)
             if verbatim.size:
-                out["forget_verbatim_rougeL"] = float(verbatim.mean())
+                out[FORGET_VERBATIM] = float(verbatim.mean())
     return out

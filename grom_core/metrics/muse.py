@@ -51,6 +51,10 @@ def few_shot_prompt(shots: Sequence[tuple[str, str]], question: str) -> str:
     return "\n\n".join(parts)
 
 
+# the metric key of the forget texts' mean VerbMem in an own-data evaluation, which the gates read
+FORGET_VERBATIM = "forget_verbatim_rougeL"
+
+
 def verbatim_rouge(model, tokenizer, texts: Sequence[str], *, prompt_fraction: float = 0.25,
                    max_new_tokens: int = 128, batch_size: int = 16, bos: bool = True) -> np.ndarray:
     """VerbMem of each text (texts of fewer than two tokens are left out: nothing to continue): ROUGE-L F1 of the
