@@ -69,6 +69,9 @@ ABLATIONS: tuple[Ablation, ...] = (
              lambda p, n: {"keys": "subject+answer"}, ("suppress",), subjects=True),
     Ablation("specificity drops", "beta * a(y) at every answer position, not the measured gaps (counterfactual or "
              "sentence)", lambda p, n: {"drops": "specificity"}, ("suppress",), drops=MEASURED),
+    Ablation("answers after an empty question", "sentence drops rate a QA row's answer after an empty question, "
+             "not after the retain questions nearest to its own (swaps=0)", lambda p, n: {"swaps": 0}, ("suppress",),
+             drops=("sentence",)),
     Ablation("drops by position", "each position lowers its own next token by its own gap (scope='position'), "
              "not its subject's whole bag", lambda p, n: {"scope": "position"}, ("suppress",),
              drops=("counterfactual",)),

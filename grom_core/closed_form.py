@@ -82,7 +82,8 @@ class GromParams(Params):
             forget-specificity, see targets.specificity_weights), "counterfactual" (gain times the log-odds gap to
             what the model predicts when the subject is a stranger, see grom_core.counterfactual; needs subjects
             and answer keys), "sentence" (gain times the log-odds gap to what the model predicts from the token's
-            own sentence alone, see grom_core.sentence_drops; needs answer keys), or "auto": "counterfactual"
+            own sentence alone, a QA row's answer after other questions of its kind, see
+            grom_core.sentence_drops; needs answer keys), or "auto": "counterfactual"
             where the forget data names subjects and the keys are the answers, else "sentence" where it holds
             texts (passages that can be memorised word for word), else "specificity".
         beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
@@ -99,6 +100,9 @@ class GromParams(Params):
             the solve never saw; see targets.TokenDrops.over_groups). The LM head lowers the bag (its rows are
             the tokens: no other token's logit changes anywhere); with `layers` None no layer is edited, with
             named layers they lower each position's own token first, and without the head they carry the bag.
+        swaps: sentence drops: how many retain questions (those sharing the most words with it) each forget
+            question is swapped for to rate its answer as the same kind of question about something else would;
+            0 rates it after an empty question (the answer to any question), as where the retain data asks none.
         min_gap: counterfactual and sentence drops: positions whose gap (before the gain) is smaller, in nats of
             log-odds, are not forget keys: the model rates their token about as it would for anyone (or from its
             sentence alone).
@@ -138,6 +142,7 @@ class GromParams(Params):
     counterfactuals: int = 4
     rename: str = "first"
     scope: str = "subject"
+    swaps: int = 16
     min_gap: float = 0.5
     retain_budget: float | None = 0.04
     budget_examples: int = 32
@@ -168,8 +173,8 @@ class GromParams(Params):
             raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
         if self.scope not in ("position", "subject"):
             raise ParamsError(f"scope must be 'position' or 'subject', got '{self.scope}'")
-        if self.gain <= 0 or self.counterfactuals < 1 or self.min_gap < 0:
-            raise ParamsError("need gain > 0, counterfactuals >= 1 and min_gap >= 0")
+        if self.gain <= 0 or self.counterfactuals < 1 or self.swaps < 0 or self.min_gap < 0:
+            raise ParamsError("need gain > 0, counterfactuals >= 1, swaps >= 0 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
             raise ParamsError("need retain_budget > 0 (or None) and budget_examples >= 1")
         if self.strategy not in ("sequential", "parallel"):
@@ -307,8 +312,10 @@ def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retai
     """The forget batches cut to the positions that carry what the model knows (counterfactual or sentence drops,
     `kind`), their drops (s,), and the retain sample the budget is read on (None without a budget)."""
     if kind == "sentence":
+        questions = [ex.question for ex in retain_ex if ex.question is not None]
         found = sentence_drops(model, tokenizer, forget_ex, forget_batches, fmt, gain=params.gain,
-                               min_gap=params.min_gap, batch_size=params.batch_size)
+                               min_gap=params.min_gap, batch_size=params.batch_size, questions=questions,
+                               swaps=params.swaps)
     else:
         everything = [*forget_ex, *retain_ex]
         text = " ".join(str(v) for ex in everything for v in ex.record().values())

@@ -5,23 +5,31 @@ gives the stranger rewrites of grom_core.counterfactual nothing to rename. What 
 passage predicts at a position is, roughly, what the sentence so far makes likely: the template's and the
 grammar's words. What it predicts beyond that, from the passage before, is what reading the passage added: which
 sentence comes next, the number a report gave, the person a question is about. So every token of the forget rows
-is read twice, in its row and in a cut-down row that keeps only its own sentence:
+is read again in cut-down rows that keep only its own sentence:
 
     text rows:  BOS + the sentence up to the token (the passage before it cut away);
-    QA rows:    BOS + the prompt with an empty question + the answer's sentence up to the token (the question
-                cut away: the answer a model gives to any question).
+    QA rows:    BOS + the prompt of another question + the answer's sentence up to the token, once for each of
+                the `swaps` retain questions that share the most words with the forget question (the same kind of
+                question about something else), or with an empty question where the retain data asks none.
+
+A QA row's rating is the highest of its swapped rows': a word that some question of the same template makes as
+likely ("a" after "What did ... carry to ...?") is the template's, not the fact's, and gets no gap; lowering it
+would take the retain answers of that template with it. An empty question would give such words a large gap,
+since without a question they are unlikely. A retain question that is the forget question itself is not a swap.
 
 A sentence ends after a token whose text ends in ".", "!" or "?", or holds a line break. The drop asked at the
 position is, as for the counterfactual drops,
 
-    drop_t = gain * max(0, logit p(y_t | x_<=t) - logit q(y_t | the cut-down context)),
+    drop_t = gain * max(0, logit p(y_t | x_<=t) - logit max_j q_j(y_t | the j-th cut-down context)),
 
-and positions with a gap under `min_gap` are not forget keys. One forward pass per sentence gives every one of its
-tokens' cut-down ratings (causal attention: the prefix of a sentence is the cut-down context of its next token).
+and positions with a gap under `min_gap` are not forget keys. One forward pass per sentence and swap gives every
+one of its tokens' cut-down ratings (causal attention: the prefix of a sentence is the cut-down context of its
+next token).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -64,35 +72,60 @@ def sentence_spans(ids: Sequence[int], start: int, ends: Callable[[int], bool]) 
             a = i + 1
 
 
+def nearest_questions(question: str, pool: Sequence[str], k: int) -> list[str]:
+    """The `k` questions of `pool` that share the most words with `question` (Jaccard index of their lower-case
+    word sets; ties in pool order), `question` itself left out; [""] (the empty question) when none is left."""
+    words = _words(question)
+    scored = [(-len(words & other) / max(1, len(words | other)), n) for n, other in enumerate(map(_words, pool))
+              if pool[n] != question]
+    return [pool[n] for _, n in sorted(scored)[:k]] or [""]
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
 def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
-                   fmt: str | PromptFormat, *, gain: float, min_gap: float, batch_size: int) -> CounterfactualDrops:
+                   fmt: str | PromptFormat, *, gain: float, min_gap: float, batch_size: int,
+                   questions: Sequence[str] = (), swaps: int = 16) -> CounterfactualDrops:
     """The drops of the module docstring for `examples` (batched as `batches`, in order, by `make_batches`): (s,)
-    float64 per kept forget position in capture order, and the batches with only those positions supervised."""
+    float64 per kept forget position in capture order, and the batches with only those positions supervised.
+    `questions`: the retain questions a QA row's question is swapped for (the `swaps` nearest)."""
     fmt = prompt_format(fmt)
     own = next_token_logprobs(model, batches)
     ends = sentence_ender(tokenizer)
-    qa_prefix = fmt.prefix(tokenizer) + tokenizer.encode(fmt.prompt(tokenizer, ""), add_special_tokens=False)
+    prompts: dict[str, list[int]] = {}  # question -> the prefix and prompt that a swapped row starts with
+
+    def prompt_ids(question: str) -> list[int]:
+        if question not in prompts:
+            prompts[question] = fmt.prefix(tokenizer) + tokenizer.encode(fmt.prompt(tokenizer, question),
+                                                                         add_special_tokens=False)
+        return prompts[question]
+
     cut: list[EncodedExample] = []
-    where: dict[tuple[int, int], tuple[int, int]] = {}  # (example id, token index) -> (cut row, index there)
+    where: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (example id, token index) -> [(cut row, index)]
     for batch in batches:
         mask = supervised_mask(batch)
         for row, example_id in enumerate(batch.example_ids.tolist()):
             ids = own[example_id][0]
             first = int(mask[row].nonzero()[0]) + 1  # the first supervised token: the text's or the answer's
-            prefix = fmt.prefix(tokenizer) if examples[example_id].text is not None else qa_prefix
+            example = examples[example_id]
+            prefixes = ([fmt.prefix(tokenizer)] if example.text is not None else
+                        [prompt_ids(q) for q in nearest_questions(example.question, questions, swaps)])
             for a, b in sentence_spans(ids, first, ends):
-                for i in range(a, b):
-                    where[example_id, i] = (len(cut), len(prefix) + i - a)
-                cut.append(EncodedExample(prefix + ids[a:b], [IGNORE_INDEX] * (len(prefix) + b - a)))
+                for prefix in prefixes:
+                    for i in range(a, b):
+                        where.setdefault((example_id, i), []).append((len(cut), len(prefix) + i - a))
+                    cut.append(EncodedExample(prefix + ids[a:b], [IGNORE_INDEX] * (len(prefix) + b - a)))
     cut_batches = [collate(cut[s:s + batch_size], range(s, min(s + batch_size, len(cut))), pad_token_id(tokenizer))
                    for s in range(0, len(cut), batch_size)]
     theirs = next_token_logprobs(model, cut_batches)
 
     def gaps_of(example_id: int, positions: list[int]) -> torch.Tensor:
         p = own[example_id][1][positions]
-        # without a BOS token a sentence's first token has no cut-down rating: its gap is 0
-        q = torch.stack([theirs[r][1][i - 1] if i > 0 else p[n]
-                         for n, (r, i) in enumerate(where[example_id, t + 1] for t in positions)])
+        # without a BOS token a text sentence's first token has no cut-down rating: its gap is 0
+        q = torch.stack([max((theirs[r][1][i - 1] for r, i in where[example_id, t + 1] if i > 0), default=p[n])
+                         for n, t in enumerate(positions)])
         return (logit(p) - logit(q)).clamp_min(0)
 
     return drops_from_gaps(batches, gaps_of, gain=gain, min_gap=min_gap, rewrites=len(cut),

@@ -92,8 +92,11 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     strangers = {"drops by position", "whole-name strangers"}
     specific = {"beta x0.5", "beta x2", "every answer token", "specific tokens only", "word starts only"}
     keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
-    # texts without subjects: sentence drops, which gain and budget scale; no stranger or key rows
-    assert measured <= names(texts) and not (strangers | specific | keys) & names(texts)
+    # texts without subjects: sentence drops, which gain and budget scale, and the QA rows' swapped questions; no
+    # stranger or key rows
+    assert measured | {"answers after an empty question"} <= names(texts)
+    assert not (strangers | specific | keys) & names(texts)
+    assert "answers after an empty question" not in names(named) | names(qa)
     # subjects named: counterfactual drops and the key rows
     assert measured | strangers | keys <= names(named) and not specific & names(named)
     # QA pairs without subjects: the specificity drops' own rows only

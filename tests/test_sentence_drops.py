@@ -12,7 +12,7 @@ from grom_core.data import Example, bos_prefix, encode, make_batches
 from grom_core.errors import DataError
 from grom_core.params import ParamsError
 from grom_core.scoring import answer_nll
-from grom_core.sentence_drops import sentence_drops, sentence_ender, sentence_spans
+from grom_core.sentence_drops import nearest_questions, sentence_drops, sentence_ender, sentence_spans
 
 
 def biographies(authors):
@@ -42,33 +42,70 @@ def _rating(model, ids, index):
         return float(model(torch.tensor([ids[:index]])).logits[0, -1].double().log_softmax(-1)[ids[index]])
 
 
-def test_drops_are_the_log_odds_gap_to_the_own_sentence_by_brute_force(trained):
-    model, tokenizer = trained
-    forget = [*biographies(AUTHORS[:1]), FORGET[0]]  # a text and a QA pair
-    batches = make_batches(tokenizer, forget, 4, 160)
-    found = sentence_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=0.0, batch_size=3)
+def _brute_force_gaps(model, tokenizer, forget, questions, swaps):
+    """Every supervised position's gap, each cut-down rating by a forward pass of its own."""
     ends = sentence_ender(tokenizer)
-    qa_prefix = bos_prefix(tokenizer) + tokenizer.encode("Question: \nAnswer:", add_special_tokens=False)
-    expected = []
+    gaps = []
     for ex in forget:
         enc = encode(tokenizer, ex, 160)
         ids = enc.input_ids
         first = next(i for i, label in enumerate(enc.labels) if label != -100)
-        prefix = bos_prefix(tokenizer) if ex.text is not None else qa_prefix
+        prefixes = ([bos_prefix(tokenizer)] if ex.text is not None else
+                    [bos_prefix(tokenizer) + tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)
+                     for q in nearest_questions(ex.question, questions, swaps)])
         for index in range(first, len(ids)):
             start = max(i + 1 for i in range(first - 1, index) if i < first or ends(ids[i]))  # its sentence's start
             p = _rating(model, ids, index)
-            q = _rating(model, prefix + ids[start:index + 1], len(prefix) + index - start)
-            expected.append(max(0.0, math.log(math.exp(p) / -math.expm1(p)) - math.log(math.exp(q) / -math.expm1(q))))
-    assert found.positions_before == len(expected) == found.drops.numel()
-    assert torch.allclose(found.drops, torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-5)
+            q = max(_rating(model, prefix + ids[start:index + 1], len(prefix) + index - start) for prefix in prefixes)
+            gaps.append(max(0.0, math.log(math.exp(p) / -math.expm1(p)) - math.log(math.exp(q) / -math.expm1(q))))
+    return torch.tensor(gaps, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_drops_are_the_log_odds_gap_to_the_own_sentence_by_brute_force(trained, swapped):
+    model, tokenizer = trained
+    forget = [*biographies(AUTHORS[:1]), FORGET[0]]  # a text and a QA pair
+    # without retain questions a QA row's answer is rated after an empty question, else after its 3 nearest
+    questions = [ex.question for ex in RETAIN] if swapped else []
+    batches = make_batches(tokenizer, forget, 4, 160)
+    found = sentence_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=0.0, batch_size=3,
+                           questions=questions, swaps=3)
+    expected = _brute_force_gaps(model, tokenizer, forget, questions, 3)
+    assert found.positions_before == expected.numel() == found.drops.numel()
+    assert torch.allclose(found.drops, expected, rtol=1e-4, atol=1e-5)
     # the facts are memorised beyond what their sentence says: some tokens get a large gap, template words none
-    assert max(expected) > 2.0 and min(expected) == 0.0
-    kept = sentence_drops(model, tokenizer, forget, batches, "qa", gain=2.0, min_gap=0.5, batch_size=3)
+    assert float(expected.max()) > 2.0 and float(expected.min()) == 0.0
+    kept = sentence_drops(model, tokenizer, forget, batches, "qa", gain=2.0, min_gap=0.5, batch_size=3,
+                          questions=questions, swaps=3)
     assert torch.equal(kept.drops, 2.0 * found.drops[found.drops >= 0.5])
     assert sum(b.num_supervised for b in kept.batches) == kept.drops.numel()
     with pytest.raises(DataError, match="memorised"):
         sentence_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=1e6, batch_size=3)
+
+
+def test_swapped_questions_leave_the_answers_template_words_out(trained):
+    """An answer's words that any question of its kind makes likely get no gap after a swap, though an empty
+    question gives them one; the words that name the fact keep theirs."""
+    model, tokenizer = trained
+    forget = [ex for ex in FORGET if ex.question.startswith("Where was")][:2]
+    questions = [ex.question for ex in RETAIN]
+    batches = make_batches(tokenizer, forget, 4, 160)
+    empty, swapped = (sentence_drops(model, tokenizer, forget, batches, "qa", gain=1.0, min_gap=0.0,
+                                     batch_size=8, questions=qs, swaps=4).drops for qs in ([], questions))
+    # "was born in" after another author's question is as likely as after this one: most positions keep no gap
+    assert int((swapped < 0.5).sum()) >= swapped.numel() // 2 > int((empty < 0.5).sum())
+    assert float(swapped.max()) > 2.0  # the birthplace itself is still far above what another author's gives
+
+
+def test_nearest_questions_share_the_most_words_and_leave_the_question_itself_out():
+    pool = ["Where was Ana Silva born?", "What did Ana Silva write?", "Where was Tom Berg born?",
+            "Where was Ana Reyes born?", "Who wrote it?"]
+    assert nearest_questions("Where was Ana Silva born?", pool, 2) == ["Where was Ana Reyes born?",
+                                                                       "Where was Tom Berg born?"]
+    assert nearest_questions("Where was Ana Silva born?", pool, 9)[-1] == "Who wrote it?"  # all the others
+    assert nearest_questions("Anything?", [], 3) == [""]  # no retain questions: the empty question
+    assert nearest_questions("Who wrote it?", ["Who wrote it?"], 3) == [""]
+    assert nearest_questions("Who wrote it?", pool, 0) == [""]  # swaps=0: the empty question
 
 
 def test_auto_picks_sentence_drops_for_texts_and_refuses_them_where_they_cannot_apply():
