@@ -10,6 +10,7 @@ from rich.table import Table
 
 from flows import service_cli
 from flows.console import (
+    ConfigOpt,
     HomeOpt,
     JsonOpt,
     MethodOpt,
@@ -123,24 +124,29 @@ def benchmark_build(
     out: Annotated[str | None, typer.Option(help="Output folder (default <workspace>/benchmarks).")] = None,
     split: Annotated[str | None, typer.Option(help="Forget split the retain model leaves out.")] = None,
     check: Annotated[bool, typer.Option(help="Evaluate both models and save the retain reference.")] = True,
+    config: ConfigOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write the benchmark's splits (JSONL) and train its target and retain models (cached)."""
-    from flows.evaluation import build_benchmark
+    """Write the benchmark's splits (JSONL) and the split's unlearning inputs (what `grom unlearn` takes), and train
+    its target and retain models (cached)."""
+    from flows.evaluation import build_benchmark, sized_config
 
     setup_logging(True)
-    built = build_benchmark(name, out, home, split, check=check)
+    built = build_benchmark(name, out, home, split, check=check,
+                            config=sized_config(name, None, json_option(config, "--config")))
+    forget, retain = built.unlearning_files()
     table = Table(title=f"{name} ({built.split})")
     table.add_column("item")
     table.add_column("path")
-    for key, path in {**built.splits, **{f"model: {k}": v for k, v in built.models.items()}}.items():
+    for key, path in {**built.splits, "unlearning: forget": forget, "unlearning: retain": retain,
+                      **{f"model: {k}": v for k, v in built.models.items()}}.items():
         table.add_row(key, str(path))
     for role, metrics in built.checks.items():
         for key, value in metrics.items():
             if isinstance(value, float):
                 table.add_row(f"{role}: {key}", f"{value:.4g}")
-    emit(built.as_json(), as_json, table)
+    emit({**built.as_json(), "unlearning": {"forget": str(forget), "retain": str(retain)}}, as_json, table)
 
 
 @app.command()
@@ -153,16 +159,18 @@ def evaluate(
     data_dir: Annotated[str | None, typer.Option(help="Folder of the real TOFU files (--benchmark tofu).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Generation length for ROUGE.")] = 200,
     batch_size: Annotated[int, typer.Option(min=1)] = 32,
+    config: ConfigOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """All metrics of a benchmark for one model."""
+    """All metrics of a benchmark (or of its variant, `--config`) for one model."""
     from flows.evaluation import evaluate_model
 
     setup_logging(True)
     result = evaluate_model(model, benchmark, split=split, reference=retain_reference,
                             save_reference=save_reference, data_dir=data_dir, home=home,
-                            max_new_tokens=max_new_tokens, batch_size=batch_size)
+                            max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            config=json_option(config, "--config"))
     table = key_values(Table(title=f"{benchmark} {result['split']}: {model}"), result["metrics"], "metric")
     table.caption = f"n = {result['n']}, {result['seconds']:.1f} s"
     emit({k: v for k, v in result.items() if k != "per_question"} | {"per_question": result["per_question"]},
@@ -224,9 +232,7 @@ def bench(
     ablation: Annotated[bool, typer.Option(help="Instead of the methods: the closed form's design choices, one "
                                                 "row each (flows/ablation.py).")] = False,
     rows: Annotated[str | None, typer.Option(help="With --ablation: comma-separated row names (default all).")] = None,
-    config: Annotated[str | None, typer.Option(
-        "--config", help='Fields of the benchmark\'s configuration as JSON, e.g. {"shared_names": false} for a '
-                         'minimuse whose forget part shares no names with the others: a variant, built apart.')] = None,
+    config: ConfigOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -20,6 +20,9 @@ err = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 HomeOpt = Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")]
+ConfigOpt = Annotated[str | None, typer.Option(
+    "--config", help='Fields of the benchmark\'s configuration as JSON, e.g. {"shared_names": false} for a minimuse '
+                     'whose forget part shares no names with the others: a variant, built apart.')]
 MethodOpt = Annotated[str, typer.Option(help="Unlearning method: " + "; ".join(
     f"{m.name} ({m.summary})" for m in METHODS.values()) + ".")]
 

@@ -100,17 +100,20 @@ def headline(bench, metrics: dict) -> str:
 
 def evaluate_model(model_dir: str, benchmark: str, *, split: str | None = None, reference: str | None = None,
                    save_reference: str | None = None, data_dir: str | None = None, home: str | None = None,
-                   max_new_tokens: int = 200, batch_size: int = 32) -> dict:
-    """All metrics of `benchmark` for one model; optionally save its per-question values as a reference file."""
+                   max_new_tokens: int = 200, batch_size: int = 32,
+                   config: Mapping[str, object] | None = None) -> dict:
+    """All metrics of `benchmark` (of its data with `config`'s fields, see `sized_config`) for one model;
+    optionally save its per-question values as a reference file."""
     start = time.perf_counter()
     bench = get_benchmark(benchmark)
     split = check_split(bench, split)
+    variant = sized_config(benchmark, None, config)  # refused before the model is loaded
     if bench.load_files is not None:  # data the user holds (the real TOFU files)
         if not data_dir:
             raise DataError(f"--benchmark {benchmark} needs --data-dir, the folder holding its evaluation files")
         splits = bench.load_files(data_dir, split, read_benchmark_file, SUFFIXES)
     else:
-        splits = build_benchmark(benchmark, None, home, split, train_models=False).load_splits()
+        splits = build_benchmark(benchmark, None, home, split, train_models=False, config=variant).load_splits()
     ref = bench.read_reference(Path(reference)) if reference else None
     model, tokenizer = load_model(model_dir)
     result = bench.evaluate(model, tokenizer, splits, split, ref, batch_size=batch_size,

@@ -85,6 +85,23 @@ def test_benchmark_configuration_from_the_command_line_is_checked():
         sized_config("minimuse", 10)
 
 
+def test_a_variant_is_evaluated_on_its_own_data(trained_dir, tmp_path):
+    """`grom evaluate --config`: the variant's splits are built apart and scored; a bad field is refused before the
+    model is read (the model folder here does not even exist)."""
+    from flows.evaluation import build_benchmark, evaluate_model, sized_config
+
+    variant = {"shared_names": False, "per_part": 2}
+    result = evaluate_model(str(trained_dir), "minimuse", home=str(tmp_path), config=variant, max_new_tokens=8)
+    assert result["n"]["forget"] == 4 and result["n"]["forget_qa"] == 12  # 2 x per_part articles, 3 questions each
+    built = build_benchmark("minimuse", None, str(tmp_path), train_models=False,
+                            config=sized_config("minimuse", None, variant))
+    assert [p.name for p in (tmp_path / "benchmarks").iterdir()] == [built.root.name]  # only the variant's build
+    forget, retain = built.unlearning_files()  # what `grom benchmark build` hands to `grom unlearn`
+    assert len(read_rows(str(forget))) == 4 + 12 and len(read_rows(str(retain))) == 4 + 12
+    with pytest.raises(DataError, match="no setting 'shared_name'"):
+        evaluate_model(str(tmp_path / "no-model"), "minimuse", home=str(tmp_path), config={"shared_name": False})
+
+
 def test_data_files_in_every_format(tmp_path):
     rows = [{"question": "Q1?", "answer": "A1."}, {"question": "Q2?", "answer": "A2."}]
     (tmp_path / "a.json").write_text(json.dumps(rows))

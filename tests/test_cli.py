@@ -69,6 +69,12 @@ def test_bad_option_is_a_usage_error(tmp_path):
     done = grom("bench", "--benchmark", "minimuse", "--config", '{"shared_name": false}', "--home", str(tmp_path))
     assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "benchmarks").exists()  # refused before anything was built
+    done = grom("benchmark", "build", "minimuse", "--config", '{"per_part": "2"}', "--home", str(tmp_path))
+    assert done.returncode == 2 and "per_part must be int" in done.stderr and "Traceback" not in done.stderr
+    done = grom("evaluate", "--benchmark", "minimuse", "--model", str(tmp_path / "none"), "--config",
+                '{"shared_name": false}', "--home", str(tmp_path))
+    assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "benchmarks").exists()
 
 
 def test_tofu_score_on_the_real_logs():
