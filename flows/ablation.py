@@ -84,7 +84,10 @@ ABLATIONS: tuple[Ablation, ...] = (
     Ablation("no retain budget", "the edit at its full gain, whatever it costs the retain sample",
              lambda p, n: {"retain_budget": None}, ("suppress",), drops=MEASURED),
     Ablation("every layer", "every layer of the model is edited (below the LM head, which lowers a subject's bag, "
-             "the layers lower each position's own token)", lambda p, n: {"layers": tuple(range(n))}),
+             "the layers lower each position's own token)", lambda p, n: {"layers": tuple(range(n))},
+             drops=("specificity", "counterfactual")),
+    Ablation("last two layers", "a band of two at the top, where attribution puts it on minimuse, instead of every "
+             "layer", lambda p, n: {"layers": tuple(range(max(0, n - 2), n))}, drops=("sentence",)),
     Ablation("other target kind", "corruption on a generation benchmark, suppression on multiple choice",
              lambda p, n: {"target": "corrupt" if p.target == "suppress" else "suppress"}),
 )

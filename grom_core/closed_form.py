@@ -71,8 +71,10 @@ class GromParams(Params):
     """Hyper-parameters of the closed-form edit.
 
     Attributes:
-        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution (none at all
-            for counterfactual drops pooled by subject, which the LM head lowers alone: see `scope`).
+        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution, or every
+            layer for sentence drops (what a model memorised word for word is not held in one band: on minimuse
+            the attributed band of two forgets less at the same retain budget, README), or none at all for
+            counterfactual drops pooled by subject, which the LM head lowers alone (see `scope`).
         band_width: number of contiguous layers in the automatic band.
         late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression targets only).
@@ -369,8 +371,8 @@ def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tup
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
-    """The manual layers, or the best band by logit-lens attribution on the forget data (with the scores), or
-    none where the LM head lowers a subject's bag alone."""
+    """The manual layers, or every layer for sentence drops, or the best band by logit-lens attribution on the forget
+    data (with the scores), or none where the LM head lowers a subject's bag alone."""
     adapter = prep.adapter
     if params.layers is None and prep.drop_groups is not None and params.edit_lm_head:
         log.info("counterfactual drops pooled by subject: the LM head alone lowers them, no layer is edited")
@@ -381,6 +383,9 @@ def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple
         if bad:
             raise DataError(f"layers {bad} do not exist; the model has layers 0..{adapter.num_layers - 1}")
         return layers, None
+    if prep.drops_kind == "sentence":
+        log.info("sentence drops: every layer is edited")
+        return list(range(adapter.num_layers)), None
     scores = score_layers(model, adapter, prep.forget_batches, prep.weights)
     layers = choose_band(scores.score, min(params.band_width, adapter.num_layers), params.late_fraction)
     log.info("layer scores %s -> editing layers %s", ", ".join(f"{v:.3f}" for v in scores.score.tolist()), layers)

@@ -72,13 +72,20 @@ def sentence_spans(ids: Sequence[int], start: int, ends: Callable[[int], bool]) 
             a = i + 1
 
 
-def nearest_questions(question: str, pool: Sequence[str], k: int) -> list[str]:
-    """The `k` questions of `pool` that share the most words with `question` (Jaccard index of their lower-case
-    word sets; ties in pool order), `question` itself left out; [""] (the empty question) when none is left."""
-    words = _words(question)
-    scored = [(-len(words & other) / max(1, len(words | other)), n) for n, other in enumerate(map(_words, pool))
-              if pool[n] != question]
-    return [pool[n] for _, n in sorted(scored)[:k]] or [""]
+class QuestionPool:
+    """Questions to swap a forget question for, each distinct one once, with their lower-case word sets."""
+
+    def __init__(self, questions: Sequence[str]) -> None:
+        self.questions = list(dict.fromkeys(questions))
+        self.words = [_words(q) for q in self.questions]
+
+    def nearest(self, question: str, k: int) -> list[str]:
+        """The `k` questions that share the most words with `question` (Jaccard index of the word sets; ties in
+        pool order), `question` itself left out; [""] (the empty question) when none is left."""
+        words = _words(question)
+        scored = sorted((-len(words & other) / max(1, len(words | other)), n) for n, other in enumerate(self.words)
+                        if self.questions[n] != question)
+        return [self.questions[n] for _, n in scored[:k]] or [""]
 
 
 def _words(text: str) -> set[str]:
@@ -94,6 +101,7 @@ def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], bat
     fmt = prompt_format(fmt)
     own = next_token_logprobs(model, batches)
     ends = sentence_ender(tokenizer)
+    pool = QuestionPool(questions)
     prompts: dict[str, list[int]] = {}  # question -> the prefix and prompt that a swapped row starts with
 
     def prompt_ids(question: str) -> list[int]:
@@ -111,7 +119,7 @@ def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], bat
             first = int(mask[row].nonzero()[0]) + 1  # the first supervised token: the text's or the answer's
             example = examples[example_id]
             prefixes = ([fmt.prefix(tokenizer)] if example.text is not None else
-                        [prompt_ids(q) for q in nearest_questions(example.question, questions, swaps)])
+                        [prompt_ids(q) for q in pool.nearest(example.question, swaps)])
             for a, b in sentence_spans(ids, first, ends):
                 for prefix in prefixes:
                     for i in range(a, b):

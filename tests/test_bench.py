@@ -94,9 +94,10 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
     # texts without subjects: sentence drops, which gain and budget scale, and the QA rows' swapped questions; no
     # stranger or key rows
-    assert measured | {"answers after an empty question"} <= names(texts)
-    assert not (strangers | specific | keys) & names(texts)
-    assert "answers after an empty question" not in names(named) | names(qa)
+    assert measured | {"answers after an empty question", "last two layers"} <= names(texts)
+    assert not (strangers | specific | keys | {"every layer"}) & names(texts)  # every layer is their default
+    assert not {"answers after an empty question", "last two layers"} & (names(named) | names(qa))
+    assert "every layer" in names(named) & names(qa)
     # subjects named: counterfactual drops and the key rows
     assert measured | strangers | keys <= names(named) and not specific & names(named)
     # QA pairs without subjects: the specificity drops' own rows only

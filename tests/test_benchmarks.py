@@ -41,6 +41,14 @@ def test_minimuse_and_miniwmdp_structure():
     texts = [d["text"] for p in ("forget", "retain", "holdout") for d in muse[p]]
     assert len(set(texts)) == len(texts)
     assert len(muse["forget_qa"]) == 18
+    for config in (minimuse.MiniMuseConfig(), minimuse.MiniMuseConfig(shared_names=False)):
+        full = minimuse.generate(config)
+        questions = [q["question"] for p in ("forget", "retain", "holdout") for q in full[f"{p}_qa"]]
+        assert len(questions) == 216 and len(set(questions)) == 216  # every question has one answer
+    with pytest.raises(DataError, match="per_part 13 needs 13 articles .* forget part.* only 12"):
+        minimuse.generate(minimuse.MiniMuseConfig(per_part=13, shared_names=False))
+    with pytest.raises(DataError, match="three parts"):
+        minimuse.generate(minimuse.MiniMuseConfig(per_part=40))
     wmdp = miniwmdp.generate()
     assert len(wmdp["forget"]) == len(wmdp["forget_corpus"]) == 32
     for q in wmdp["forget"] + wmdp["retain"]:

@@ -12,7 +12,7 @@ from grom_core.data import Example, bos_prefix, encode, make_batches
 from grom_core.errors import DataError
 from grom_core.params import ParamsError
 from grom_core.scoring import answer_nll
-from grom_core.sentence_drops import nearest_questions, sentence_drops, sentence_ender, sentence_spans
+from grom_core.sentence_drops import QuestionPool, sentence_drops, sentence_ender, sentence_spans
 
 
 def biographies(authors):
@@ -52,7 +52,7 @@ def _brute_force_gaps(model, tokenizer, forget, questions, swaps):
         first = next(i for i, label in enumerate(enc.labels) if label != -100)
         prefixes = ([bos_prefix(tokenizer)] if ex.text is not None else
                     [bos_prefix(tokenizer) + tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False)
-                     for q in nearest_questions(ex.question, questions, swaps)])
+                     for q in QuestionPool(questions).nearest(ex.question, swaps)])
         for index in range(first, len(ids)):
             start = max(i + 1 for i in range(first - 1, index) if i < first or ends(ids[i]))  # its sentence's start
             p = _rating(model, ids, index)
@@ -98,14 +98,14 @@ def test_swapped_questions_leave_the_answers_template_words_out(trained):
 
 
 def test_nearest_questions_share_the_most_words_and_leave_the_question_itself_out():
-    pool = ["Where was Ana Silva born?", "What did Ana Silva write?", "Where was Tom Berg born?",
-            "Where was Ana Reyes born?", "Who wrote it?"]
-    assert nearest_questions("Where was Ana Silva born?", pool, 2) == ["Where was Ana Reyes born?",
-                                                                       "Where was Tom Berg born?"]
-    assert nearest_questions("Where was Ana Silva born?", pool, 9)[-1] == "Who wrote it?"  # all the others
-    assert nearest_questions("Anything?", [], 3) == [""]  # no retain questions: the empty question
-    assert nearest_questions("Who wrote it?", ["Who wrote it?"], 3) == [""]
-    assert nearest_questions("Who wrote it?", pool, 0) == [""]  # swaps=0: the empty question
+    pool = QuestionPool(["Where was Ana Silva born?", "What did Ana Silva write?", "Where was Tom Berg born?",
+                         "Where was Ana Reyes born?", "Who wrote it?", "Where was Tom Berg born?"])
+    assert pool.nearest("Where was Ana Silva born?", 2) == ["Where was Ana Reyes born?", "Where was Tom Berg born?"]
+    assert pool.nearest("Where was Ana Silva born?", 9) == ["Where was Ana Reyes born?", "Where was Tom Berg born?",
+                                                            "What did Ana Silva write?", "Who wrote it?"]  # once each
+    assert QuestionPool([]).nearest("Anything?", 3) == [""]  # no retain questions: the empty question
+    assert QuestionPool(["Who wrote it?"]).nearest("Who wrote it?", 3) == [""]
+    assert pool.nearest("Who wrote it?", 0) == [""]  # swaps=0: the empty question
 
 
 def test_auto_picks_sentence_drops_for_texts_and_refuses_them_where_they_cannot_apply():
@@ -129,6 +129,7 @@ def test_closed_form_with_sentence_drops_forgets_texts_and_keeps_retain(trained)
     forget, retain = biographies(AUTHORS[:2]), [*biographies(AUTHORS[2:]), *RETAIN]
     run = run_grom(model, tokenizer, forget, retain, GromParams(influence=False))
     assert run.edit.metadata["drops"] == "sentence"
+    assert run.layers == list(range(model.config.num_hidden_layers))  # every layer, no attributed band
     nll = lambda exs: float(answer_nll(model, make_batches(tokenizer, exs, 16, 160)).mean())  # noqa: E731
     before_f, before_r = nll(forget), nll(retain)
     with run.edit.applied(model):

@@ -129,14 +129,18 @@ def generate(config: MiniMuseConfig = MiniMuseConfig()) -> dict[str, list[dict]]
     """Splits: forget/retain/holdout texts ({"text", "kind"}) and forget_qa/retain_qa/holdout_qa."""
     rng = random.Random(config.seed)
     forget_names, other_names = (ALL_NAMES, ALL_NAMES) if config.shared_names else ALL_NAMES.split()
-    seen: set[str] = set()
+    _check_room(config, forget_names, other_names)
+    asked: set[str] = set()
     docs: list[tuple[str, list[dict], str]] = []
     while len(docs) < 6 * config.per_part:
         kind = "news" if len(docs) % 2 == 0 else "books"
         names = forget_names if len(docs) < 2 * config.per_part else other_names  # the first chunk is forget
         text, qa = (_news if kind == "news" else _passage)(rng, names)
-        if text not in seen:  # no two documents alike, so membership is well defined
-            seen.add(text)
+        questions = {q["question"] for q in qa}
+        # no question asked twice, so every question has one answer (and no two documents are alike, so
+        # membership is well defined)
+        if not questions & asked:
+            asked |= questions
             docs.append((text, qa, kind))
     splits: dict[str, list[dict]] = {}
     for index, part in enumerate(("forget", "retain", "holdout")):
@@ -144,6 +148,20 @@ def generate(config: MiniMuseConfig = MiniMuseConfig()) -> dict[str, list[dict]]
         splits[part] = [{"text": t, "kind": k} for t, _, k in chunk]
         splits[f"{part}_qa"] = [q for _, qa, _ in chunk for q in qa]
     return splits
+
+
+def _check_room(config: MiniMuseConfig, forget: Names, other: Names) -> None:
+    """Refuse a `per_part` whose documents cannot all ask questions of their own: an article's questions name
+    its event and town, a passage's "Where did ... carry ...?" its person and object."""
+    need = {"forget part": (forget, config.per_part), "retain and holdout parts": (other, 2 * config.per_part)}
+    if forget is other:
+        need = {"three parts": (forget, 3 * config.per_part)}
+    for part, (names, count) in need.items():
+        room = min(len(names.events) * len(names.towns), len(names.people) * len(names.objects))
+        if count > room:
+            raise DataError(f"minimuse per_part {config.per_part} needs {count} articles and as many passages "
+                            f"for the {part}, but its names make only {room} of each with questions no other "
+                            f"document asks; lower per_part")
 
 
 def training_rows(splits: dict[str, list[dict]], without: str | None = None) -> list[dict]:
