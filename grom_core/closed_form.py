@@ -317,7 +317,7 @@ def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retai
         questions = [ex.question for ex in retain_ex if ex.question is not None]
         found = sentence_drops(model, tokenizer, forget_ex, forget_batches, fmt, gain=params.gain,
                                min_gap=params.min_gap, batch_size=params.batch_size, questions=questions,
-                               swaps=params.swaps)
+                               swaps=params.swaps, max_length=params.max_length)
     else:
         everything = [*forget_ex, *retain_ex]
         text = " ".join(str(v) for ex in everything for v in ex.record().values())

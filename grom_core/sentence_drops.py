@@ -94,10 +94,12 @@ def _words(text: str) -> set[str]:
 
 def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], batches: Sequence[Batch],
                    fmt: str | PromptFormat, *, gain: float, min_gap: float, batch_size: int,
-                   questions: Sequence[str] = (), swaps: int = 16) -> CounterfactualDrops:
+                   questions: Sequence[str] = (), swaps: int = 16, max_length: int | None = None
+                   ) -> CounterfactualDrops:
     """The drops of the module docstring for `examples` (batched as `batches`, in order, by `make_batches`): (s,)
     float64 per kept forget position in capture order, and the batches with only those positions supervised.
-    `questions`: the retain questions a QA row's question is swapped for (the `swaps` nearest)."""
+    `questions`: the retain questions a QA row's question is swapped for (the `swaps` nearest); a swap whose row
+    would be longer than `max_length` tokens is left out (the empty question stands in if none is left)."""
     fmt = prompt_format(fmt)
     own = next_token_logprobs(model, batches)
     ends = sentence_ender(tokenizer)
@@ -117,10 +119,14 @@ def sentence_drops(model: nn.Module, tokenizer, examples: Sequence[Example], bat
         for row, example_id in enumerate(batch.example_ids.tolist()):
             ids = own[example_id][0]
             first = int(mask[row].nonzero()[0]) + 1  # the first supervised token: the text's or the answer's
-            example = examples[example_id]
-            prefixes = ([fmt.prefix(tokenizer)] if example.text is not None else
-                        [prompt_ids(q) for q in pool.nearest(example.question, swaps)])
-            for a, b in sentence_spans(ids, first, ends):
+            example, spans = examples[example_id], list(sentence_spans(ids, first, ends))
+            if example.text is not None:
+                prefixes = [fmt.prefix(tokenizer)]
+            else:
+                longest = max(b - a for a, b in spans)
+                prefixes = [prompt for prompt in map(prompt_ids, pool.nearest(example.question, swaps))
+                            if max_length is None or len(prompt) + longest <= max_length] or [prompt_ids("")]
+            for a, b in spans:
                 for prefix in prefixes:
                     for i in range(a, b):
                         where.setdefault((example_id, i), []).append((len(cut), len(prefix) + i - a))

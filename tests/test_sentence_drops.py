@@ -97,6 +97,21 @@ def test_swapped_questions_leave_the_answers_template_words_out(trained):
     assert float(swapped.max()) > 2.0  # the birthplace itself is still far above what another author's gives
 
 
+def test_a_swap_longer_than_max_length_is_left_out(trained):
+    """A retain question too long to fit `max_length` with the answer is not read; the empty question stands in
+    when no swap fits."""
+    model, tokenizer = trained
+    forget = [FORGET[0]]
+    batches = make_batches(tokenizer, forget, 4, 160)
+    near = RETAIN[0].question
+    long = "Where was the author " + "very " * 80 + "well known born?"
+    drops = lambda qs, n=None: sentence_drops(model, tokenizer, forget, batches, "qa", gain=1.0,  # noqa: E731
+                                              min_gap=0.0, batch_size=4, questions=qs, swaps=2, max_length=n).drops
+    assert torch.equal(drops([near, long], 60), drops([near]))
+    assert not torch.equal(drops([near, long]), drops([near]))  # without a limit the long question is read
+    assert torch.equal(drops([long], 60), drops([]))  # nothing fits: the empty question
+
+
 def test_nearest_questions_share_the_most_words_and_leave_the_question_itself_out():
     pool = QuestionPool(["Where was Ana Silva born?", "What did Ana Silva write?", "Where was Tom Berg born?",
                          "Where was Ana Reyes born?", "Who wrote it?", "Where was Tom Berg born?"])
