@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Annotated
 
 import typer
@@ -268,7 +269,7 @@ def bench(
 
 
 def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool,
-                    rows: tuple[str, ...] | None = None, config: dict | None = None) -> None:
+                    rows: tuple[str, ...] | None = None, config: Mapping[str, object] | None = None) -> None:
     from flows.ablation import run_ablation
 
     result = run_ablation(home, benchmark, split, rows, authors=authors, config=config)

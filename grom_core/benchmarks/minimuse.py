@@ -153,9 +153,8 @@ def generate(config: MiniMuseConfig = MiniMuseConfig()) -> dict[str, list[dict]]
 def _check_room(config: MiniMuseConfig, forget: Names, other: Names) -> None:
     """Refuse a `per_part` whose documents cannot all ask questions of their own: an article's questions name
     its event and town, a passage's "Where did ... carry ...?" its person and object."""
-    need = {"forget part": (forget, config.per_part), "retain and holdout parts": (other, 2 * config.per_part)}
-    if forget is other:
-        need = {"three parts": (forget, 3 * config.per_part)}
+    need = ({"three parts": (forget, 3 * config.per_part)} if forget is other else
+            {"forget part": (forget, config.per_part), "retain and holdout parts": (other, 2 * config.per_part)})
     for part, (names, count) in need.items():
         room = min(len(names.events) * len(names.towns), len(names.people) * len(names.objects))
         if count > room:
