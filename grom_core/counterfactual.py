@@ -41,6 +41,7 @@ from grom_core.capture import model_device, supervised_mask
 from grom_core.data import IGNORE_INDEX, Batch, Example, PromptFormat, make_batches
 from grom_core.errors import DataError
 from grom_core.modes import evaluating
+from grom_core.scoring import gold_logprobs
 
 SYLLABLES = ("ka", "lo", "vi", "ren", "dor", "mi", "sa", "tul", "qua", "zen", "bri", "fel", "orn", "ula", "thes",
              "mar", "ivo", "pel", "cas", "nim")
@@ -113,9 +114,8 @@ def next_token_logprobs(model: nn.Module, batches: Sequence[Batch]) -> dict[int,
     out: dict[int, tuple[list[int], torch.Tensor]] = {}
     with evaluating(model):
         for batch in batches:
-            logits = model(input_ids=batch.input_ids.to(device),
-                           attention_mask=batch.attention_mask.to(device)).logits.double()
-            lp = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None].to(device))[..., 0].cpu()
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+            lp = gold_logprobs(logits[:, :-1], batch.input_ids[:, 1:].to(device)).cpu()
             lengths = batch.attention_mask.sum(dim=1).tolist()
             for row, example_id in enumerate(batch.example_ids.tolist()):
                 out[example_id] = (batch.input_ids[row, :lengths[row]].tolist(), lp[row, :lengths[row] - 1])

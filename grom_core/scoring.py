@@ -43,6 +43,23 @@ class TokenScores:
         return torch.stack([lp.sum() for lp in self.logprobs])
 
 
+def gold_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target], float64, for logits (..., vocab) and integer targets (...,).
+
+    The exponentials of the other tokens are summed in the logits' own precision (at least float32), the rest is
+    float64: log p = g - log1p(expm1(g) + rest), g the target's logit minus the max, rest the others' sum. A float64
+    copy of the logits would cost as much as SmolLM2's forward pass (49,152 tokens a position); summing the others
+    apart keeps 1 - p to float32's relative precision even for near-certain tokens, whose log-odds the drops read.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    index = targets.unsqueeze(-1)
+    top = logits.amax(dim=-1, keepdim=True)
+    others = (logits - top).exp_().scatter_(-1, index, 0.0).sum(dim=-1).double()
+    gold = (logits.gather(-1, index) - top).squeeze(-1).double()
+    return gold - torch.log1p(torch.expm1(gold) + others)
+
+
 @torch.no_grad()
 def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "score") -> TokenScores:
     """Log-probabilities of every supervised token of every example (float64 softmax), in example order."""
@@ -51,11 +68,10 @@ def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "scor
         for i, batch in enumerate(batches, start=1):
             batch = batch.to(model_device(model))
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
             labels = batch.labels[:, 1:]
             mask = labels != IGNORE_INDEX
-            picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            out.extend(picked[row][mask[row]].cpu() for row in range(picked.shape[0]))
+            picked = gold_logprobs(logits[:, :-1][mask], labels[mask]).cpu()  # supervised positions, row-major
+            out.extend(picked.split(mask.sum(dim=1).tolist()))
             if i == len(batches) or i % max(1, len(batches) // 5) == 0:
                 log.info("%s: batch %d/%d", desc, i, len(batches))
     return TokenScores(out)

@@ -1,0 +1,42 @@
+"""Token log-probabilities against a float64 log-softmax over the whole vocabulary, by hand."""
+
+import pytest
+import torch
+from conftest import FORGET
+
+from grom_core.data import make_batches
+from grom_core.scoring import gold_logprobs, token_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_gold_logprobs_match_a_float64_log_softmax(dtype):
+    gen = torch.Generator().manual_seed(0)
+    # logits far from 0, where a float32 log-softmax loses the most
+    logits = (torch.randn(3, 5, 4000, generator=gen) * 8 + 40).to(dtype)
+    targets = torch.randint(0, 4000, (3, 5), generator=gen)
+    want = torch.log_softmax(logits.double(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    got = gold_logprobs(logits, targets)
+    assert got.dtype == torch.float64 and got.shape == (3, 5)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    # near-certain: 1 - p, which the drops' log-odds read, to float32's relative precision, not 1e-7 absolute
+    sure = torch.tensor([30.0, 10.0, 12.0, 9.0], dtype=dtype)
+    rest = -torch.expm1(torch.log_softmax(sure.double(), dim=-1)[0])
+    got_rest = -torch.expm1(gold_logprobs(sure, torch.tensor(0)))
+    assert abs(float(got_rest / rest) - 1) < 1e-5
+
+
+def test_token_logprobs_are_the_supervised_tokens_in_order(trained):
+    model, tokenizer = trained
+    batches = make_batches(tokenizer, FORGET[:5], 2)  # three batches, padded, prompts unsupervised
+    got = token_logprobs(model, batches).logprobs
+    want = []
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
+            for row in range(batch.input_ids.shape[0]):
+                labels = batch.labels[row, 1:]
+                logp = torch.log_softmax(logits[row, :-1], dim=-1)
+                keep = (labels != -100).nonzero().flatten()
+                want.append(logp[keep, labels[keep]])
+    assert [t.numel() for t in got] == [t.numel() for t in want] and all(t.numel() for t in got)
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want, strict=True))
