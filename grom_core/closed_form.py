@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -613,43 +614,59 @@ class _SequentialSolver:
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}
         got = base
-        for i, name in enumerate(modules):
-            if params.strategy == "sequential" and i > 0:
-                got = self._collect(modules, Edit(deltas=dict(deltas), base_fingerprint=""))
-            if params.strategy == "sequential":
-                # the down-projections split what is still missing; the LM head, last, is asked for the rest
-                achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], desired.rows)
-                left_to_do = max(1, sum(1 for m in modules[i:] if m != adapter.lm_head_name))
-                share = torch.where(solved, desired.amounts - achieved, 0.0).clamp_min(0) / left_to_do
+        sequential = params.strategy == "sequential"
+        with ExitStack() as solved_so_far:  # sequential: each solved layer's update stays applied until the end
+            for i, name in enumerate(modules):
+                if sequential and i > 0:
+                    got = self._collect(modules, None)
+                deltas[name], records[name] = self._solve_module(name, i, modules, got, desired, solved,
+                                                                 layer_entries, logits0)
+                if sequential and name != adapter.lm_head_name:
+                    solved_so_far.enter_context(Edit(deltas={name: deltas[name]}, base_fingerprint="").applied(
+                        self.model, verify=False))
+            if sequential and modules[-1] == adapter.lm_head_name:
+                final = got  # collected with every other module's edit applied; the head's own delta is added below
+            elif sequential:
+                final = self._collect([], None)
             else:
-                share = desired.amounts / len(modules)
-            if name != adapter.lm_head_name:
-                share = torch.where(layer_entries, share, 0.0)
-            rows, targets = self._targets(name, got, TokenDrops(desired.rows, share))
-            keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
-            st = self.stats[name]
-            mu = _mu(st, params)
-            left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=params.w_forget,
-                                                w_retain=params.w_retain, ridge=mu)
-            out_features = weight_out_in(get_module(self.model, name)).shape[0]
-            deltas[name] = ModuleDelta.from_factors(name, left, right, row_index=rows, out_features=out_features)
-            records[name] = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
-                                        ridge=mu, retain_count=st.count, w_forget=params.w_forget,
-                                        w_retain=params.w_retain, positions=got.positions.cpu(),
-                                        tokens=got.next_tokens.cpu(), target_rows=rows)
-            log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
-                     f", jitter {system.jitter:.3g}" if system.jitter else "")
-        if params.strategy == "sequential" and modules[-1] == adapter.lm_head_name:
-            final = got  # collected with every other module's edit applied; the head's own delta is added below
-        else:
-            final = self._collect([], Edit(deltas={m: d for m, d in deltas.items() if m != adapter.lm_head_name},
-                                           base_fingerprint=""))
+                final = self._collect([], Edit(deltas={m: d for m, d in deltas.items() if m != adapter.lm_head_name},
+                                               base_fingerprint=""))
         head_key = final.inputs[adapter.lm_head_name]
         drop = logits0 - _head_logits(adapter.lm_head, head_key, desired.rows, deltas.get(adapter.lm_head_name))
         # over the entries solved for: each position's gold token (the mean over positions), and a subject's bag
         self.achieved = {"asked_mean": float(desired.amounts[solved].mean()),
                          "achieved_mean": float(drop[solved].mean())}
         return deltas, records
+
+    def _solve_module(self, name: str, i: int, modules: list[str], got, desired: TokenDrops, solved: torch.Tensor,
+                      layer_entries: torch.Tensor, logits0: torch.Tensor) -> tuple[ModuleDelta, SolveRecord]:
+        """The update of the i-th module, from the forget keys `got` collected with the modules before it edited
+        (sequential) or none (parallel)."""
+        params, adapter = self.params, self.adapter
+        if params.strategy == "sequential":
+            # the down-projections split what is still missing; the LM head, last, is asked for the rest
+            achieved = logits0 - _head_logits(adapter.lm_head, got.inputs[adapter.lm_head_name], desired.rows)
+            left_to_do = max(1, sum(1 for m in modules[i:] if m != adapter.lm_head_name))
+            share = torch.where(solved, desired.amounts - achieved, 0.0).clamp_min(0) / left_to_do
+        else:
+            share = desired.amounts / len(modules)
+        if name != adapter.lm_head_name:
+            share = torch.where(layer_entries, share, 0.0)
+        rows, targets = self._targets(name, got, TokenDrops(desired.rows, share))
+        keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
+        st = self.stats[name]
+        mu = _mu(st, params)
+        left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=params.w_forget,
+                                            w_retain=params.w_retain, ridge=mu)
+        out_features = weight_out_in(get_module(self.model, name)).shape[0]
+        delta = ModuleDelta.from_factors(name, left, right, row_index=rows, out_features=out_features)
+        record = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
+                             ridge=mu, retain_count=st.count, w_forget=params.w_forget,
+                             w_retain=params.w_retain, positions=got.positions.cpu(),
+                             tokens=got.next_tokens.cpu(), target_rows=rows)
+        log.info("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), mu,
+                 f", jitter {system.jitter:.3g}" if system.jitter else "")
+        return delta, record
 
     def _targets(self, name: str, got, share: TokenDrops) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(rows, D): the module's targets, D (out, s), or, for the LM head, its non-zero rows (u,) and D[rows]."""

@@ -250,14 +250,15 @@ class Edit:
         model must carry exactly the weights the edit was computed for.
         """
         self._check_untied(model)
+        edit_id = self.edit_id  # a hash over every factor: once a call
         if verify:
             found = weights_fingerprint(model)
             if found != self.base_fingerprint:
                 raise FingerprintMismatchError(
-                    f"edit {self.edit_id} was computed for model {self.base_fingerprint[:12]}, this model is "
+                    f"edit {edit_id} was computed for model {self.base_fingerprint[:12]}, this model is "
                     f"{found[:12]}; compute a new edit on this model (or revert the edits applied since)")
         pairs = list(self._weights(model))  # check every shape before changing anything
-        undo = Undo(edit_id=self.edit_id, base_fingerprint=self.base_fingerprint, post_fingerprint="")
+        undo = Undo(edit_id=edit_id, base_fingerprint=self.base_fingerprint, post_fingerprint="")
         for delta, weight in pairs:
             idx_parts, val_parts = [], []
             step = _row_chunk(delta)
@@ -276,8 +277,8 @@ class Edit:
             undo.indices[delta.name] = torch.cat(idx_parts)
             undo.values[delta.name] = torch.cat(val_parts)
         undo.post_fingerprint = weights_fingerprint(model) if verify else ""
-        model.__dict__.setdefault("_grom_undo", {})[self.edit_id] = undo
-        log.debug("applied edit %s to %d modules", self.edit_id, len(pairs))
+        model.__dict__.setdefault("_grom_undo", {})[edit_id] = undo
+        log.debug("applied edit %s to %d modules", edit_id, len(pairs))
         return undo
 
     @torch.no_grad()
@@ -286,15 +287,16 @@ class Edit:
 
         `undo` defaults to the one `apply` attached to this model; pass a loaded Undo to revert in another process.
         """
-        undo = undo or model.__dict__.get("_grom_undo", {}).get(self.edit_id)
-        if undo is None or undo.edit_id != self.edit_id:
-            raise MissingUndoError(f"no undo record of edit {self.edit_id} on this model; pass the Undo "
+        edit_id = self.edit_id  # a hash over every factor: once a call
+        undo = undo or model.__dict__.get("_grom_undo", {}).get(edit_id)
+        if undo is None or undo.edit_id != edit_id:
+            raise MissingUndoError(f"no undo record of edit {edit_id} on this model; pass the Undo "
                                     f"that apply() returned (Undo.load(path) in another process)")
         if verify and undo.post_fingerprint:
             found = weights_fingerprint(model)
             if found != undo.post_fingerprint:
                 raise FingerprintMismatchError(
-                    f"the model changed after edit {self.edit_id} was applied ({found[:12]} is not "
+                    f"the model changed after edit {edit_id} was applied ({found[:12]} is not "
                     f"{undo.post_fingerprint[:12]}); revert later edits first")
         for delta, weight in list(self._weights(model)):
             step = _row_chunk(delta)
@@ -309,9 +311,9 @@ class Edit:
                 rows, cols = flat_idx // delta.shape[1], flat_idx % delta.shape[1]
                 weight[rows, cols] = undo.values[delta.name].to(weight.device)
         if verify and weights_fingerprint(model) != self.base_fingerprint:
-            raise RuntimeError(f"revert of edit {self.edit_id} did not restore the base weights")  # a bug, not input
-        model.__dict__.get("_grom_undo", {}).pop(self.edit_id, None)
-        log.debug("reverted edit %s", self.edit_id)
+            raise RuntimeError(f"revert of edit {edit_id} did not restore the base weights")  # a bug, not input
+        model.__dict__.get("_grom_undo", {}).pop(edit_id, None)
+        log.debug("reverted edit %s", edit_id)
 
     @contextmanager
     def applied(self, model: nn.Module, verify: bool = True) -> Iterator[Undo]:

@@ -44,6 +44,27 @@ def test_one_call_edit_forgets_and_keeps_retain(trained, capsys):
     assert weights_fingerprint(model) == fingerprint
 
 
+
+def test_a_solve_that_fails_midway_leaves_the_model_as_it_was(trained, monkeypatch):
+    """The sequential solve keeps each solved layer's update applied while it collects the next keys; an error in a
+    later module's solve must still give every weight back."""
+    import grom_core.closed_form as closed_form
+
+    model, tokenizer = trained
+    fingerprint = weights_fingerprint(model)
+    real, calls = closed_form.solve_factors, []
+
+    def failing_at_the_head(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # layers 1 and 2 are solved and applied, then the LM head's solve fails
+            raise RuntimeError("solver failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(closed_form, "solve_factors", failing_at_the_head)
+    with pytest.raises(RuntimeError, match="solver failure"):
+        run_grom(model, tokenizer, FORGET, RETAIN, GromParams(layers=(1, 2), influence=False))
+    assert len(calls) == 3 and weights_fingerprint(model) == fingerprint
+
 def test_influence_covers_every_forget_example_and_matches_the_contract(trained):
     model, tokenizer = trained
     run = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(layers=(2,)))
