@@ -114,6 +114,12 @@ class GromParams(Params):
             edit may cause; a larger edit is scaled down (alpha * P for every module, found by bisection on forward
             passes) until it fits. How far `gain` can go depends on how entangled the forget facts are with the
             retain ones; the budget finds out on the data. None: no limit.
+        forget_target: a stated forget level instead of the full drop: the edit is scaled down to the smallest
+            alpha (the budget's grid, within what the budget allows) at which the forget answers' probability
+            (TOFU's: exp of minus each answer's mean token NLL, averaged over the forget rows, in the prompt format)
+            is at most this. The drops asked for (beta, gain) were sized on small models; on a pretrained model
+            they can ask several times what forgetting needs, and the surplus moves neighbouring facts too (README,
+            minirwku). None: the full edit. Any drop kind.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
@@ -149,6 +155,7 @@ class GromParams(Params):
     min_gap: float = 0.5
     retain_budget: float | None = 0.04
     budget_examples: int = 32
+    forget_target: float | None = None
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
@@ -180,6 +187,9 @@ class GromParams(Params):
             raise ParamsError("need gain > 0, counterfactuals >= 1, swaps >= 0 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
             raise ParamsError("need retain_budget > 0 (or None) and budget_examples >= 1")
+        if self.forget_target is not None and not 0 < self.forget_target < 1:
+            raise ParamsError(f"forget_target is a probability: need 0 < forget_target < 1 (or None), got "
+                              f"{self.forget_target}")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
         if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
@@ -266,6 +276,7 @@ class Prepared:
     drops_kind: str = "specificity"
     retain_sample: list[Batch] | None = None  # where the retain budget is measured (measured drops only)
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
+    forget_sample: list[Batch] | None = None  # the forget rows, every answer token scored (forget_target only)
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -299,10 +310,13 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                                                                forget_batches, fmt, params, drops_kind)
         if drops_kind == "counterfactual" and params.scope == "subject":
             groups = subject_groups(forget_ex)
+    forget_sample = None
+    if params.forget_target is not None:
+        forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
-                    retain_sample=retain_sample, drop_groups=groups,
+                    retain_sample=retain_sample, drop_groups=groups, forget_sample=forget_sample,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
@@ -452,11 +466,16 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
                                prep.drops, prep.drop_groups)
     deltas, records = solver.solve(modules)
-    fit = None
+    fit, enough = None, None
     if prep.retain_sample is not None and params.retain_budget is not None:
         fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
-        deltas = {name: delta.scaled(fit.scale) for name, delta in deltas.items()}
-        records = {name: dataclasses.replace(rec, targets=rec.targets * fit.scale) for name, rec in records.items()}
+    if prep.forget_sample is not None and params.forget_target is not None:
+        enough = fit_to_forget_target(model, prep.forget_sample, deltas, params.forget_target,
+                                      upper=fit.scale if fit else 1.0)
+    scale = enough.scale if enough else fit.scale if fit else 1.0
+    if scale != 1.0:
+        deltas = {name: delta.scaled(scale) for name, delta in deltas.items()}
+        records = {name: dataclasses.replace(rec, targets=rec.targets * scale) for name, rec in records.items()}
     edit = Edit(deltas=deltas, base_fingerprint=prep.fingerprint, params={**params.to_dict(), "method": "grom"},
                 metadata={"layers": layers, "modules": modules, "retain_digest": prep.retain_digest,
                           "forget_digest": prep.forget_digest, "forget_examples": len(prep.forget),
@@ -466,7 +485,8 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
                           "layer_scores": scores.as_rows() if scores is not None else None,
                           "logit_drop": solver.achieved,  # as solved, before a retain budget's scale
                           "drops": prep.drops_kind,
-                          "retain_budget": dataclasses.asdict(fit) if fit else None})
+                          "retain_budget": dataclasses.asdict(fit) if fit else None,
+                          "forget_target": dataclasses.asdict(enough) if enough else None})
     return edit, records
 
 
@@ -505,6 +525,43 @@ def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str
     log.info("retain budget %.3g: update scaled by %.3f (retain damage %.4f, %.4f unscaled)", budget, low, at_low,
              full)
     return BudgetFit(scale=low, damage_unscaled=full, damage=at_low)
+
+
+@dataclass(frozen=True)
+class ForgetFit:
+    """The scale alpha given to every module's update for a forget target, the forget answers' probability there
+    and at the scale it started from, and whether the target was reached (no: the starting scale is kept)."""
+
+    scale: float
+    probability: float
+    probability_unscaled: float
+    reached: bool
+
+
+def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta],
+                         target: float, upper: float = 1.0, steps: int = 5) -> ForgetFit:
+    """The smallest alpha on the grid upper * k / 2**steps whose update alpha * P leaves the forget answers'
+    probability (mean over rows of exp(-mean token NLL)) at most `target`, by bisection on forward passes; the
+    model is left unchanged. Where even alpha = upper does not reach it, alpha = upper."""
+
+    def probability(alpha: float) -> float:
+        edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
+        with edit.applied(model, verify=False):
+            return float(torch.exp(-answer_nll(model, sample)).mean())
+
+    at_upper = probability(upper)
+    if at_upper > target:
+        log.warning("forget target %.3g not reached: the forget answers' probability is %.3g at scale %.3f, the "
+                    "most the edit (and the retain budget) allows", target, at_upper, upper)
+        return ForgetFit(scale=upper, probability=at_upper, probability_unscaled=at_upper, reached=False)
+    low, high, at_high = 0.0, upper, at_upper
+    for _ in range(steps):
+        mid = (low + high) / 2
+        got = probability(mid)
+        low, high, at_high = (low, mid, got) if got <= target else (mid, high, at_high)
+    log.info("forget target %.3g: update scaled by %.3f (forget probability %.4f, %.4f at %.3f)", target, high,
+             at_high, at_upper, upper)
+    return ForgetFit(scale=high, probability=at_high, probability_unscaled=at_upper, reached=True)
 
 
 def audit(records: dict[str, SolveRecord], stats: dict[str, GramStats], params: GromParams

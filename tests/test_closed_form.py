@@ -8,6 +8,7 @@ from grom_core.adapter import ModelAdapter
 from grom_core.capture import collect
 from grom_core.closed_form import GromParams, compute_edit, run_grom
 from grom_core.data import make_batches
+from grom_core.edit import Edit
 from grom_core.errors import DataError, FingerprintMismatchError, ParamsError, UnsupportedArchitectureError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.influence import leave_one_out
@@ -169,3 +170,49 @@ def test_bad_inputs(trained):
     with pytest.raises(ParamsError, match="layers must be a list of int or null"):
         GromParams.from_dict({"layers": "a"})
     assert GromParams.from_dict({"layers": [2, 1], "beta": 60}).layers == (2, 1)
+
+
+def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):
+    """A stated forget level: the smallest scale on the grid (1/32 steps) at which the forget answers' probability
+    is at most the target, found by bisection; less collateral than the full edit."""
+    model, tokenizer = trained
+    fingerprint = weights_fingerprint(model)
+    params = GromParams(layers=(1, 2), influence=False)
+    full = run_grom(model, tokenizer, FORGET, RETAIN, params).edit
+    aimed = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(forget_target=0.3)).edit
+    assert weights_fingerprint(model) == fingerprint
+    fit = aimed.metadata["forget_target"]
+    assert fit["reached"] and 0 < fit["scale"] < 1 and fit["probability_unscaled"] <= fit["probability"] <= 0.3
+    assert full.metadata["forget_target"] is None
+
+    def forget_and_retain(edit):
+        with edit.applied(model):
+            return (float(answer_probability(model, tokenizer, FORGET).mean()),
+                    float(answer_probability(model, tokenizer, RETAIN).mean()))
+
+    forget_at, retain_at = forget_and_retain(aimed)
+    assert forget_at == pytest.approx(fit["probability"], abs=1e-9)
+    one_step_less = Edit(deltas={n: d.scaled(1 - 1 / (32 * fit["scale"])) for n, d in aimed.deltas.items()},
+                         base_fingerprint=fingerprint)
+    assert forget_and_retain(one_step_less)[0] > 0.3  # the smallest such scale: one grid step less misses it
+    forget_full, retain_full = forget_and_retain(full)
+    assert forget_full < forget_at and retain_at >= retain_full  # the surplus the target leaves out
+
+
+def test_an_unreachable_forget_target_keeps_the_full_edit(trained):
+    model, tokenizer = trained
+    params = GromParams(layers=(1, 2), influence=False)
+    full = run_grom(model, tokenizer, FORGET, RETAIN, params).edit
+    aimed = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(forget_target=1e-30)).edit
+    fit = aimed.metadata["forget_target"]
+    assert not fit["reached"] and fit["scale"] == 1.0 and fit["probability"] > 1e-30
+    assert aimed.deltas.keys() == full.deltas.keys()
+    assert all(torch.equal(aimed.deltas[n].tensors()[k], t) for n in full.deltas
+               for k, t in full.deltas[n].tensors().items())
+
+
+@pytest.mark.parametrize("target", [0.0, 1.0, -0.5, 2.0])
+def test_forget_target_must_be_a_probability(trained, target):
+    model, tokenizer = trained
+    with pytest.raises(ParamsError, match="forget_target"):
+        run_grom(model, tokenizer, FORGET, RETAIN, GromParams(forget_target=target))
