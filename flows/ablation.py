@@ -151,7 +151,8 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
                     "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
                     "logit_drop": run.edit.metadata.get("logit_drop"),
-                    "retain_budget": run.edit.metadata.get("retain_budget"), "metrics": metrics})
+                    "retain_budget": run.edit.metadata.get("retain_budget"),
+                    "forget_target": run.edit.metadata.get("forget_target"), "metrics": metrics})
         log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(applicable), row.name, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
                            if isinstance(metrics.get(k), float)))

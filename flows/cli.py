@@ -275,14 +275,16 @@ def _ablation_table(home: str | None, benchmark: str, split: str | None, authors
     result = run_ablation(home, benchmark, split, rows, authors=authors, config=config)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
-    for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)", *columns):
+    for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)",
+                   "forget target scale (probability)", *columns):
         table.add_column(column)
-    table.add_row("unedited", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns])
+    table.add_row("unedited", "", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns])
     for row in result["rows"]:
-        drop, fit = row["logit_drop"] or {}, row.get("retain_budget")
+        drop, fit, aim = row["logit_drop"] or {}, row.get("retain_budget"), row.get("forget_target")
         drops = f"{drop['asked_mean']:.3g} / {drop['achieved_mean']:.3g}" if drop else ""
         budget = f"{fit['scale']:.3g} ({fit['damage']:.3f})" if fit else ""
-        table.add_row(row["name"], f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops, budget,
+        aimed = f"{aim['scale']:.3g} ({aim['probability']:.3g})" if aim else ""
+        table.add_row(row["name"], f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops, budget, aimed,
                       *[fmt(row["metrics"].get(k)) for k in columns])
     emit(result, as_json, table)
 
