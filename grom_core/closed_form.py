@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -490,6 +490,14 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     return edit, records
 
 
+def _scaled_and_measured(model: nn.Module, deltas: Mapping[str, ModuleDelta], alpha: float,
+                         measure: Callable[[], float]) -> float:
+    """`measure()` on the model with the update alpha * P applied, which is reverted afterwards."""
+    edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
+    with edit.applied(model, verify=False):
+        return measure()
+
+
 @dataclass(frozen=True)
 class BudgetFit:
     """The scale alpha given to every module's update, and the retain damage (mean increase of the sampled retain
@@ -507,9 +515,7 @@ def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str
     base = answer_nll(model, sample)
 
     def damage(alpha: float) -> float:
-        edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
-        with edit.applied(model, verify=False):
-            return float((answer_nll(model, sample) - base).mean())
+        return _scaled_and_measured(model, deltas, alpha, lambda: float((answer_nll(model, sample) - base).mean()))
 
     full = damage(1.0)
     if full <= budget:
@@ -545,9 +551,7 @@ def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapp
     model is left unchanged. Where even alpha = upper does not reach it, alpha = upper."""
 
     def probability(alpha: float) -> float:
-        edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
-        with edit.applied(model, verify=False):
-            return float(torch.exp(-answer_nll(model, sample)).mean())
+        return _scaled_and_measured(model, deltas, alpha, lambda: float(torch.exp(-answer_nll(model, sample)).mean()))
 
     at_upper = probability(upper)
     if at_upper > target:

@@ -62,7 +62,8 @@ def gold_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "score") -> TokenScores:
-    """Log-probabilities of every supervised token of every example (float64 softmax), in example order."""
+    """Log-probabilities of every supervised token of every example (float64, see `gold_logprobs`), in example
+    order."""
     out: list[torch.Tensor] = []
     with evaluating(model):
         for i, batch in enumerate(batches, start=1):
