@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import FORGET, RETAIN
 
+import grom_core.closed_form as closed_form
 from grom_core.adapter import ModelAdapter
 from grom_core.capture import collect
 from grom_core.closed_form import GromParams, compute_edit, run_grom
@@ -45,12 +46,9 @@ def test_one_call_edit_forgets_and_keeps_retain(trained, capsys):
     assert weights_fingerprint(model) == fingerprint
 
 
-
 def test_a_solve_that_fails_midway_leaves_the_model_as_it_was(trained, monkeypatch):
     """The sequential solve keeps each solved layer's update applied while it collects the next keys; an error in a
     later module's solve must still give every weight back."""
-    import grom_core.closed_form as closed_form
-
     model, tokenizer = trained
     fingerprint = weights_fingerprint(model)
     real, calls = closed_form.solve_factors, []
@@ -65,6 +63,7 @@ def test_a_solve_that_fails_midway_leaves_the_model_as_it_was(trained, monkeypat
     with pytest.raises(RuntimeError, match="solver failure"):
         run_grom(model, tokenizer, FORGET, RETAIN, GromParams(layers=(1, 2), influence=False))
     assert len(calls) == 3 and weights_fingerprint(model) == fingerprint
+
 
 def test_influence_covers_every_forget_example_and_matches_the_contract(trained):
     model, tokenizer = trained

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import FORGET
 
-from grom_core.data import make_batches
+from grom_core.data import IGNORE_INDEX, make_batches
 from grom_core.scoring import gold_logprobs, token_logprobs
 
 
@@ -36,7 +36,7 @@ def test_token_logprobs_are_the_supervised_tokens_in_order(trained):
             for row in range(batch.input_ids.shape[0]):
                 labels = batch.labels[row, 1:]
                 logp = torch.log_softmax(logits[row, :-1], dim=-1)
-                keep = (labels != -100).nonzero().flatten()
+                keep = (labels != IGNORE_INDEX).nonzero().flatten()
                 want.append(logp[keep, labels[keep]])
     assert [t.numel() for t in got] == [t.numel() for t in want] and all(t.numel() for t in got)
     assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want, strict=True))
