@@ -217,7 +217,9 @@ def test_two_dask_workers_equal_one_process(trained_dir):
                                  out_dir=Path(tempfile.mkdtemp()), workers=2)
     for name in modules:
         assert sharded[name].count == single[name].count
-        assert torch.allclose(sharded[name].gram, single[name].gram, rtol=1e-9, atol=1e-9)
+        # the keys are float32 forward passes over other batches (other padding, other kernels): float32's precision
+        gram = single[name].gram
+        torch.testing.assert_close(sharded[name].gram, gram, rtol=1e-5, atol=1e-5 * float(gram.abs().max()))
 
 
 def assert_nothing_changed(home):

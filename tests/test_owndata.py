@@ -20,9 +20,12 @@ def _own_words(model, tokenizer, start: str) -> str:
 
 def test_verbmem_is_one_for_what_the_model_writes_itself_and_skips_what_cannot_be_continued(trained):
     model, tokenizer = trained
-    text = _own_words(model, tokenizer, FORGET[0].answer.split()[0])
+    # from the training format's first word: a start cut inside a word ("Rosalind Halloran od") can tokenize
+    # differently once decoded, and the model's path from it is then another
+    start = "Question:"
+    text = _own_words(model, tokenizer, start)
     n = len(tokenizer.encode(text, add_special_tokens=False))
-    assert n >= 8 and len(tokenizer.encode(FORGET[0].answer.split()[0], add_special_tokens=False)) <= n // 2
+    assert n >= 8 and len(tokenizer.encode(start, add_special_tokens=False)) <= n // 2
     # the first half is the prompt (a prefix of the model's own path), the rest what the model writes after it
     own = verbatim_rouge(model, tokenizer, [text], prompt_fraction=0.5, max_new_tokens=n - n // 2)
     words = text.split()
