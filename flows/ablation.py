@@ -83,11 +83,10 @@ ABLATIONS: tuple[Ablation, ...] = (
              drops=MEASURED),
     Ablation("no retain budget", "the edit at its full gain, whatever it costs the retain sample",
              lambda p, n: {"retain_budget": None}, ("suppress",), drops=MEASURED),
-    Ablation("no forget target", "the full drop (beta), not scaled down to the forget answers' probability of 0.05 "
-             "that forget_target 'auto' gives specificity drops", lambda p, n: {"forget_target": None},
+    Ablation("defaults with forget target 0.05", "GromParams() scaled to the smallest edit that brings the "
+             "forget answers' probability to 0.05, instead of the full drop (forget_target)",
+             lambda p, n: {**GromParams(target=p.target, influence=False).to_dict(), "forget_target": 0.05},
              ("suppress",), drops=("specificity",)),
-    Ablation("forget target 0.01", "a forget level five times lower than forget_target 'auto' gives specificity drops",
-             lambda p, n: {"forget_target": 0.01}, ("suppress",), drops=("specificity",)),
     Ablation("every layer", "every layer of the model is edited (below the LM head, which lowers a subject's bag, "
              "the layers lower each position's own token)", lambda p, n: {"layers": tuple(range(n))},
              drops=("specificity", "counterfactual")),

@@ -117,11 +117,9 @@ class GromParams(Params):
         forget_target: a stated forget level instead of the full drop: the edit is scaled down to the smallest
             alpha (the budget's grid, within what the budget allows) at which the forget answers' probability
             (TOFU's: exp of minus each answer's mean token NLL, averaged over the forget rows, in the prompt format)
-            is at most this. "auto": 0.05 for specificity drops, whose `beta` is a fixed guess sized on small models
-            (on a pretrained model the full drop asks several times what forgetting needs, and the surplus moves
-            neighbouring facts too, README: minirwku), None for measured drops, which are sized on the model and
-            bounded by the retain budget, and for corruption, which moves representations instead of lowering
-            answer tokens. None: the full edit.
+            is at most this. The drops asked for (beta, gain) were sized on small models; on a pretrained model
+            they can ask several times what forgetting needs, and the surplus moves neighbouring facts too (README,
+            minirwku). None: the full edit. Any drop kind.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
@@ -157,7 +155,7 @@ class GromParams(Params):
     min_gap: float = 0.5
     retain_budget: float | None = 0.04
     budget_examples: int = 32
-    forget_target: float | str | None = "auto"
+    forget_target: float | None = None
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
@@ -189,10 +187,8 @@ class GromParams(Params):
             raise ParamsError("need gain > 0, counterfactuals >= 1, swaps >= 0 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
             raise ParamsError("need retain_budget > 0 (or None) and budget_examples >= 1")
-        if isinstance(self.forget_target, str) and self.forget_target != "auto":
-            raise ParamsError(f"forget_target must be a probability, 'auto' or None, got '{self.forget_target}'")
-        if isinstance(self.forget_target, int | float) and not 0 < self.forget_target < 1:
-            raise ParamsError(f"forget_target is a probability: need 0 < forget_target < 1 ('auto' or None), got "
+        if self.forget_target is not None and not 0 < self.forget_target < 1:
+            raise ParamsError(f"forget_target is a probability: need 0 < forget_target < 1 (or None), got "
                               f"{self.forget_target}")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
@@ -280,8 +276,7 @@ class Prepared:
     drops_kind: str = "specificity"
     retain_sample: list[Batch] | None = None  # where the retain budget is measured (measured drops only)
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
-    forget_sample: list[Batch] | None = None  # the forget rows, every answer token scored (forget target only)
-    forget_target: float | None = None  # params.forget_target with "auto" resolved for the drop kind
+    forget_sample: list[Batch] | None = None  # the forget rows, every answer token scored (forget_target only)
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -315,15 +310,13 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                                                                forget_batches, fmt, params, drops_kind)
         if drops_kind == "counterfactual" and params.scope == "subject":
             groups = subject_groups(forget_ex)
-    forget_target = resolve_forget_target(params, drops_kind)
     forget_sample = None
-    if forget_target is not None:
+    if params.forget_target is not None:
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
                     retain_sample=retain_sample, drop_groups=groups, forget_sample=forget_sample,
-                    forget_target=forget_target,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
@@ -390,16 +383,6 @@ def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tup
     if drops == "sentence" and not measurable:
         raise DataError("drops='sentence' needs keys='answer' and target='suppress'")
     return keys, drops
-
-
-AUTO_FORGET_TARGET = 0.05  # forget_target "auto" for specificity drops (a probability)
-
-
-def resolve_forget_target(params: GromParams, drops: str) -> float | None:
-    """`params.forget_target` with "auto" resolved for the drop kind `drops` (see GromParams.forget_target)."""
-    if params.forget_target != "auto":
-        return params.forget_target  # type: ignore[return-value]
-    return AUTO_FORGET_TARGET if drops == "specificity" and params.target == "suppress" else None
 
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
@@ -486,8 +469,8 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     fit, enough = None, None
     if prep.retain_sample is not None and params.retain_budget is not None:
         fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
-    if prep.forget_sample is not None and prep.forget_target is not None:
-        enough = fit_to_forget_target(model, prep.forget_sample, deltas, prep.forget_target,
+    if prep.forget_sample is not None and params.forget_target is not None:
+        enough = fit_to_forget_target(model, prep.forget_sample, deltas, params.forget_target,
                                       upper=fit.scale if fit else 1.0)
     scale = enough.scale if enough else fit.scale if fit else 1.0
     if scale != 1.0:

@@ -91,7 +91,7 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     measured = {"gain x0.5", "gain x2", "no retain budget", "specificity drops"}
     strangers = {"drops by position", "whole-name strangers"}
     specific = {"beta x0.5", "beta x2", "every answer token", "specific tokens only", "word starts only",
-                "no forget target", "forget target 0.01"}
+                "defaults with forget target 0.05"}
     keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
     # texts without subjects: sentence drops, which gain and budget scale, and the QA rows' swapped questions; no
     # stranger or key rows

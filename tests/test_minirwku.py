@@ -73,13 +73,10 @@ def test_built_on_smollm2_then_forgotten_by_the_closed_form(smollm2_home, capsys
     run = method.run(model, tokenizer, forget, retain, params, MethodContext(prompt_format=bench.prompt_format))
     with run.edit.applied(model):
         after = bench.evaluate(model, tokenizer, splits, "forget01", None)["metrics"]
-    with capsys.disabled():
-        print(f"\n[figures] minirwku forget01 GROM (defaults: layers {run.layers}, forget target scale "
-              f"{run.edit.metadata['forget_target']['scale']:.3f}): "
-              + ", ".join(f"{k} {base[k]:.3g} -> {after[k]:.3g}" for k in bench.metrics.table))
     for kind in minirwku.PROBE_TYPES:
         assert after[f"forget_{kind}_accuracy"] <= 0.1, kind  # forgotten in every form it was asked
-    # most neighbours kept (on forget05 the full drop without the forget target keeps a quarter of the fill-in-the-
-    # blank ones and NPO a third, README)
-    assert after["neighbor_fb_accuracy"] >= 0.7 and after["neighbor_qa_accuracy"] >= 0.7
+    assert after["neighbor_fb_accuracy"] >= 0.9 and after["neighbor_qa_accuracy"] >= 0.9
     assert after["utility_perplexity"] <= 1.05 * base["utility_perplexity"]
+    with capsys.disabled():
+        print(f"\n[figures] minirwku forget01 GROM ({params.layers}): "
+              + ", ".join(f"{k} {base[k]:.3g} -> {after[k]:.3g}" for k in bench.metrics.table))

@@ -74,26 +74,14 @@ def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2
     with run.edit.applied(model):
         forget_after = capital_probability(model, tokenizer, FORGET)
         rest_after = capital_probability(model, tokenizer, rest)
-    # the defaults aim specificity drops at a forget probability of 0.05 (forget_target "auto")
-    assert run.edit.metadata["forget_target"]["reached"]
-    assert float(forget_after.max()) < 0.1 * float(forget_before.min())  # forgotten
+    assert float(forget_after.max()) < 0.01 * float(forget_before.min())  # forgotten
     assert float((rest_after / rest_before).min()) > 0.9  # every other capital kept
-    full = run_grom(model, tokenizer, forget, retain, GromParams(influence=False, forget_target=None),
-                    prompt_format="completion")
-    with full.edit.applied(model):
-        forget_full = capital_probability(model, tokenizer, FORGET)
-        rest_full = capital_probability(model, tokenizer, rest)
-    assert float(forget_full.max()) < 0.01 * float(forget_after.min())  # the full drop goes much further
-    assert float((rest_full / rest_before).min()) > 0.9
     with capsys.disabled():
         print(f"\n[figures] SmolLM2 GROM (completion format, defaults): capitals of {FORGET} "
-              f"{forget_before.tolist()} -> {forget_after.tolist()} (scale "
-              f"{run.edit.metadata['forget_target']['scale']:.3f}); {len(rest)} others mean "
+              f"{forget_before.tolist()} -> {forget_after.tolist()}; {len(rest)} others mean "
               f"{float(rest_before.mean()):.3f} -> {float(rest_after.mean()):.3f} (worst ratio "
               f"{float((rest_after / rest_before).min()):.3f}); layers {run.layers}; stages "
-              f"{({k: round(v, 1) for k, v in run.timings_s.items()})}; without a forget target "
-              f"{forget_full.tolist()}, others {float(rest_full.mean()):.3f} (worst ratio "
-              f"{float((rest_full / rest_before).min()):.3f})")
+              f"{({k: round(v, 1) for k, v in run.timings_s.items()})}")
 
 
 def test_the_gguf_round_trip_attack_is_llama_cpps_arithmetic(smollm2):

@@ -189,9 +189,3 @@ def test_a_benchmark_names_its_target_kind_and_only_grom_gets_it():
     assert wmdp.params_for("grom", False) == {"target": "corrupt"}  # multiple choice: corrupt, nothing tuned
     assert GromParams.from_dict(wmdp.params_for("grom", False)).target == "corrupt"
     assert "target" not in wmdp.params_for("npo", True) and "target" not in tofu.params_for("grom", False)
-
-
-def test_no_benchmark_tunes_the_closed_form():
-    """One default: a benchmark may name the closed form's target kind, never other parameters (issue 13)."""
-    for name, bench in BENCHMARKS.items():
-        assert set(bench.params_for("grom", False)) <= {"target"}, name
