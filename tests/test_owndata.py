@@ -20,8 +20,8 @@ def _own_words(model, tokenizer, start: str) -> str:
 
 def test_verbmem_is_one_for_what_the_model_writes_itself_and_skips_what_cannot_be_continued(trained):
     model, tokenizer = trained
-    # from the training format's first word: a start cut inside a word ("Rosalind Halloran od") can tokenize
-    # differently once decoded, and the model's path from it is then another
+    # from the training format's first word: where the model's path was short ("Rosalind Halloran odalten.", one
+    # CPU's training), the half-way cut fell inside a word, which tokenizes differently once decoded
     start = "Question:"
     text = _own_words(model, tokenizer, start)
     n = len(tokenizer.encode(text, add_special_tokens=False))
