@@ -49,6 +49,7 @@ from grom_core.influence import InfluenceReport, influence_report
 from grom_core.layers import LayerScores, choose_band, score_layers
 from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
+from grom_core.quantization import quantized, quantizers
 from grom_core.scoring import answer_nll
 from grom_core.sentence_drops import sentence_drops
 from grom_core.solver import solve_factors
@@ -120,6 +121,11 @@ class GromParams(Params):
             is at most this. The drops asked for (beta, gain) were sized on small models; on a pretrained model
             they can ask several times what forgetting needs, and the surplus moves neighbouring facts too (README,
             minirwku). None: the full edit. Any drop kind.
+        forget_target_attack: a quantization attack (grom_core.quantization: gguf_q4_1, rtn4, fp4, nf4, int8,
+            fp4_head_kept) after which the forget target is read: every probe of the bisection round-trips the
+            whole edited model. An edit scaled to the target can be rounded away (llama.cpp's Q4_1 gives most of a
+            SmolLM2 edit scaled to 0.05 back, README: minirwku); read after the round trip, the target holds after
+            it. None: read on the model as edited.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see
             targets.word_start_mask).
@@ -156,6 +162,7 @@ class GromParams(Params):
     retain_budget: float | None = 0.04
     budget_examples: int = 32
     forget_target: float | None = None
+    forget_target_attack: str | None = None
     sharpness: float = 2.0
     threshold: float = 0.5
     smoothing: float = 1.0
@@ -190,6 +197,13 @@ class GromParams(Params):
         if self.forget_target is not None and not 0 < self.forget_target < 1:
             raise ParamsError(f"forget_target is a probability: need 0 < forget_target < 1 (or None), got "
                               f"{self.forget_target}")
+        if self.forget_target_attack is not None:
+            if self.forget_target is None:
+                raise ParamsError("forget_target_attack reads the forget target after an attack: set forget_target "
+                                  "too")
+            if self.forget_target_attack not in quantizers(available=True):
+                raise ParamsError(f"forget_target_attack must be one of {', '.join(quantizers(available=True))}, "
+                                  f"got '{self.forget_target_attack}'")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
         if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
@@ -471,7 +485,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
         fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
     if prep.forget_sample is not None and params.forget_target is not None:
         enough = fit_to_forget_target(model, prep.forget_sample, deltas, params.forget_target,
-                                      upper=fit.scale if fit else 1.0)
+                                      upper=fit.scale if fit else 1.0, attack=params.forget_target_attack)
     scale = enough.scale if enough else fit.scale if fit else 1.0
     if scale != 1.0:
         deltas = {name: delta.scaled(scale) for name, delta in deltas.items()}
@@ -542,22 +556,38 @@ class ForgetFit:
     probability: float
     probability_unscaled: float
     reached: bool
+    attack: str | None = None  # where the probabilities were read after a quantization round trip
 
 
 def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta],
-                         target: float, upper: float = 1.0, steps: int = 5) -> ForgetFit:
+                         target: float, upper: float = 1.0, steps: int = 5, attack: str | None = None) -> ForgetFit:
     """The smallest alpha on the grid upper * k / 2**steps whose update alpha * P leaves the forget answers'
     probability (mean over rows of exp(-mean token NLL)) at most `target`, by bisection on forward passes; the
-    model is left unchanged. Where even alpha = upper does not reach it, alpha = upper."""
+    model is left unchanged. Where even alpha = upper does not reach it, alpha = upper. `attack`: a quantizer name
+    (grom_core.quantization.quantizers); each probability is read after its round trip of the edited model."""
+    spec = None
+    if attack is not None:
+        available = quantizers()
+        if attack not in available:
+            raise DataError(f"forget_target_attack '{attack}' needs bitsandbytes, which this machine lacks; "
+                            f"available here: {', '.join(available)}")
+        spec = available[attack]
+
+    def forget_probability() -> float:
+        if spec is None:
+            return float(torch.exp(-answer_nll(model, sample)).mean())
+        with quantized(model, spec):
+            return float(torch.exp(-answer_nll(model, sample)).mean())
 
     def probability(alpha: float) -> float:
-        return _scaled_and_measured(model, deltas, alpha, lambda: float(torch.exp(-answer_nll(model, sample)).mean()))
+        return _scaled_and_measured(model, deltas, alpha, forget_probability)
 
     at_upper = probability(upper)
     if at_upper > target:
         log.warning("forget target %.3g not reached: the forget answers' probability is %.3g at scale %.3f, the "
                     "most the edit (and the retain budget) allows", target, at_upper, upper)
-        return ForgetFit(scale=upper, probability=at_upper, probability_unscaled=at_upper, reached=False)
+        return ForgetFit(scale=upper, probability=at_upper, probability_unscaled=at_upper, reached=False,
+                         attack=attack)
     low, high, at_high = 0.0, upper, at_upper
     for _ in range(steps):
         mid = (low + high) / 2
@@ -565,7 +595,7 @@ def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapp
         low, high, at_high = (low, mid, got) if got <= target else (mid, high, at_high)
     log.info("forget target %.3g: update scaled by %.3f (forget probability %.4f, %.4f at %.3f)", target, high,
              at_high, at_upper, upper)
-    return ForgetFit(scale=high, probability=at_high, probability_unscaled=at_upper, reached=True)
+    return ForgetFit(scale=high, probability=at_high, probability_unscaled=at_upper, reached=True, attack=attack)
 
 
 def audit(records: dict[str, SolveRecord], stats: dict[str, GramStats], params: GromParams

@@ -210,6 +210,31 @@ def test_an_unreachable_forget_target_keeps_the_full_edit(trained):
                for k, t in full.deltas[n].tensors().items())
 
 
+def test_a_forget_target_read_after_a_quantization_attack_holds_after_it(trained):
+    """forget_target_attack: each probe of the bisection round-trips the edited model (here rtn4), so the chosen
+    scale keeps the forget answers at the target after that round trip too."""
+    from grom_core.quantization import quantized, quantizers
+
+    model, tokenizer = trained
+    fingerprint = weights_fingerprint(model)
+    params = GromParams(layers=(1, 2), influence=False, forget_target=0.3)
+    plain = run_grom(model, tokenizer, FORGET, RETAIN, params).edit
+    attacked = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(forget_target_attack="rtn4")).edit
+    assert weights_fingerprint(model) == fingerprint
+    fit = attacked.metadata["forget_target"]
+    assert fit["reached"] and fit["attack"] == "rtn4" and plain.metadata["forget_target"]["attack"] is None
+    with attacked.applied(model), quantized(model, quantizers()["rtn4"]):
+        after_attack = float(answer_probability(model, tokenizer, FORGET).mean())
+    assert after_attack == pytest.approx(fit["probability"], abs=1e-9) and after_attack <= 0.3
+
+
+def test_forget_target_attack_is_checked():
+    with pytest.raises(ParamsError, match="set forget_target too"):
+        GromParams.from_dict({"forget_target_attack": "rtn4"})
+    with pytest.raises(ParamsError, match="forget_target_attack must be one of"):
+        GromParams.from_dict({"forget_target": 0.1, "forget_target_attack": "q2_k"})
+
+
 @pytest.mark.parametrize("target", [0.0, 1.0, -0.5, 2.0])
 def test_forget_target_must_be_a_probability(trained, target):
     model, tokenizer = trained
