@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,7 @@ from grom_core.influence import InfluenceReport, influence_report
 from grom_core.layers import LayerScores, choose_band, score_layers
 from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
-from grom_core.quantization import quantized, quantizers
+from grom_core.quantization import QuantSpec, quantized, quantizers
 from grom_core.scoring import answer_nll
 from grom_core.sentence_drops import sentence_drops
 from grom_core.solver import solve_factors
@@ -300,6 +300,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     forget-specificity."""
     fmt = prompt_format(fmt)
     params.validate()
+    if params.forget_target_attack is not None:
+        attack_spec(params.forget_target_attack)  # before any forward pass, not after the solve
     forget_ex, retain_ex = as_examples(forget), as_examples(retain)
     adapter = adapter or ModelAdapter.for_model(model)
     if params.edit_lm_head and params.target == "suppress" and adapter.lm_head_is_tied():
@@ -547,6 +549,15 @@ def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str
     return BudgetFit(scale=low, damage_unscaled=full, damage=at_low)
 
 
+def attack_spec(name: str) -> QuantSpec:
+    """The quantization attack `name` as this machine can run it, or a DataError saying what it lacks."""
+    available = quantizers()
+    if name not in available:
+        raise DataError(f"forget_target_attack '{name}' needs bitsandbytes, which this machine lacks; available "
+                        f"here: {', '.join(available)}")
+    return available[name]
+
+
 @dataclass(frozen=True)
 class ForgetFit:
     """The scale alpha given to every module's update for a forget target, the forget answers' probability there
@@ -565,18 +576,10 @@ def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapp
     probability (mean over rows of exp(-mean token NLL)) at most `target`, by bisection on forward passes; the
     model is left unchanged. Where even alpha = upper does not reach it, alpha = upper. `attack`: a quantizer name
     (grom_core.quantization.quantizers); each probability is read after its round trip of the edited model."""
-    spec = None
-    if attack is not None:
-        available = quantizers()
-        if attack not in available:
-            raise DataError(f"forget_target_attack '{attack}' needs bitsandbytes, which this machine lacks; "
-                            f"available here: {', '.join(available)}")
-        spec = available[attack]
+    spec = attack_spec(attack) if attack is not None else None
 
     def forget_probability() -> float:
-        if spec is None:
-            return float(torch.exp(-answer_nll(model, sample)).mean())
-        with quantized(model, spec):
+        with quantized(model, spec) if spec is not None else nullcontext():
             return float(torch.exp(-answer_nll(model, sample)).mean())
 
     def probability(alpha: float) -> float:
