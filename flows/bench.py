@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from grom_core.gradient.methods import TrainerParams
 from grom_core.methods import DEFAULT_METHOD, Method, MethodContext, get_method
 from grom_core.params import Params
 from grom_core.profiling import measure
-from grom_core.quantization import QuantSpec, quantized, quantizers
+from grom_core.quantization import quantized, quantizers
 from grom_core.solver import solve_edit
 from grom_core.statistics import MemoryStatsStore, accumulate
 from tasks.records import EvaluationSpec
@@ -131,25 +131,6 @@ def key_extraction_throughput(model, batches, modules) -> dict:
             "key_extraction_tokens_per_s": tokens / hooked, "key_extraction_over_forward": hooked / plain}
 
 
-def round_trip_seconds(model, quants: Mapping[str, QuantSpec], edited: Sequence[str]) -> dict[str, dict]:
-    """Per attack, the seconds of one round trip of every linear layer against one of the `edited` modules alone:
-    what each probe of `forget_target_attack`'s bisection costs now (the rest is round-tripped once per search),
-    against what a whole round trip per probe would."""
-    out = {}
-    for name, spec in quants.items():
-        timed = {}
-        for part, kwargs in (("whole", {}), ("edited", {"modules": edited})):
-            start = time.perf_counter()
-            with quantized(model, spec, **kwargs) as count:
-                pass
-            synchronize(model_device(model))
-            timed[part] = (time.perf_counter() - start, count)
-        (whole, n_whole), (few, n_few) = timed["whole"], timed["edited"]
-        out[name] = {"whole_s": whole, "whole_matrices": n_whole, "edited_s": few, "edited_matrices": n_few,
-                     "whole_over_edited": whole / few if few > 0 else None}
-    return out
-
-
 def solve_scaling(sizes=(128, 256, 512, 1024, 2048), s: int = 256, m: int = 256) -> list[dict]:
     """Seconds of solve_edit for n x n systems (float64 Cholesky): cubic in n once n dominates. Each row also
     says how exact the solve was: the norm of the objective's gradient at the solution, relative to that of its
@@ -233,10 +214,9 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     adapter = ModelAdapter.for_model(model)
     modules = [m for m in (edited or []) if m != adapter.lm_head_name] or [adapter.down_proj_names[-1]]
     throughput = key_extraction_throughput(model, retain_batches, modules)
-    round_trips = round_trip_seconds(model, quants, edited) if edited else {}
     result = {"benchmark": benchmark, "split": built.split, "before": before, "rows": rows,
               "columns": list(bench.metrics.table[:bench.metrics.shown]), "throughput": throughput,
-              "solve_scaling": solve_scaling(), "round_trip": round_trips,
+              "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,
               "quantizers": list(quants), "trainer": recipe.to_dict(), "config": dict(config or {})}
     # the build's folder name carries its configuration's digest: a variant's plot does not replace the benchmark's

@@ -28,9 +28,6 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
     assert result["floor_seconds"] == floor["forget_s"] + floor["retain_s"]
     assert floor["forget_tokens"] < floor["retain_tokens"]  # forget10 against retain90
     assert all(r["time_ratio_to_floor"] == pytest.approx(r["seconds"] / result["floor_seconds"]) for r in rows)
-    trip = result["round_trip"][ATTACK]  # the edit's modules (the LM head here) against every linear layer
-    assert trip["edited_matrices"] == len(rows[0]["modules"]) < trip["whole_matrices"]
-    assert trip["whole_over_edited"] == pytest.approx(trip["whole_s"] / trip["edited_s"])
     after, before = rows[0]["metrics"], result["before"]
     assert after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
     assert (tmp_path / "bench").is_dir() and result["plot"].endswith(".png") and result["config"] == {}
