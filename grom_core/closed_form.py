@@ -577,16 +577,9 @@ def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapp
     model is left unchanged. Where even alpha = upper does not reach it, alpha = upper. `attack`: a quantizer name
     (grom_core.quantization.quantizers); each probability is read after its round trip of the edited model."""
     spec = attack_spec(attack) if attack is not None else None
-    # the modules the edit leaves alone are round-tripped once for the whole search, the edited ones at each probe
-    with quantized(model, spec, skip=deltas.keys()) if spec is not None else nullcontext():
-        return _bisect_forget_target(model, sample, deltas, target, upper, steps, spec, attack)
 
-
-def _bisect_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta],
-                          target: float, upper: float, steps: int, spec: QuantSpec | None,
-                          attack: str | None) -> ForgetFit:
     def forget_probability() -> float:
-        with quantized(model, spec, modules=deltas.keys()) if spec is not None else nullcontext():
+        with quantized(model, spec) if spec is not None else nullcontext():
             return float(torch.exp(-answer_nll(model, sample)).mean())
 
     def probability(alpha: float) -> float:

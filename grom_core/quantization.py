@@ -14,7 +14,7 @@ edit changes and how much of its norm survives ||deq(Q(W+P)) - deq(Q(W))|| / ||P
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -140,27 +140,19 @@ def _linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Mod
 
 @contextmanager
 @torch.no_grad()
-def quantized(model: nn.Module, spec: QuantSpec, modules: Collection[str] | None = None,
-              skip: Collection[str] = ()) -> Iterator[int]:
+def quantized(model: nn.Module, spec: QuantSpec) -> Iterator[int]:
     """Replace every targeted linear weight by its round trip for the `with` block; restore the exact bits after.
-    Yields the number of quantized matrices.
-
-    `modules` (names; None: every linear layer the attack targets) and `skip` narrow that set. Each matrix's round
-    trip depends on that matrix alone, so a round trip split over two nested blocks equals the whole one: a search
-    that changes a few modules between measurements round-trips the others once (`skip`) and those few each time
-    (`modules`)."""
-    wanted = None if modules is None else set(modules)
-    chosen = {name: m for name, m in _linear_modules(model, spec.include_lm_head).items()
-              if (wanted is None or name in wanted) and name not in skip}
+    Yields the number of quantized matrices."""
+    modules = _linear_modules(model, spec.include_lm_head)
     head = output_head_name(model)
-    saved = {name: m.weight.detach().clone() for name, m in chosen.items()}
+    saved = {name: m.weight.detach().clone() for name, m in modules.items()}
     try:
-        for name, module in chosen.items():
+        for name, module in modules.items():
             w = weight_out_in(module)
             w.copy_(spec.quantizer(name == head)(w.detach())[0])
-        yield len(chosen)
+        yield len(modules)
     finally:
-        for name, module in chosen.items():
+        for name, module in modules.items():
             module.weight.copy_(saved[name])
 
 
