@@ -5,10 +5,14 @@ changes one thing; the row "library defaults" is GromParams() with only the benc
 issue 13's "one default" asks of every benchmark. The retain statistics are computed once and shared by every row
 that edits the same modules on the same data (a memory store): the first row that needs a module's statistics
 pays for their pass, the others time their forget passes and solves.
+
+Rows of the caller's own (`custom_row`, `grom bench --ablation --params JSON`) change the library defaults by a
+JSON object of GromParams fields, so that a setting tried on the way to a default is a command anyone can rerun.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +101,15 @@ ABLATIONS: tuple[Ablation, ...] = (
 )
 
 
+def custom_row(changes: Mapping[str, object]) -> Ablation:
+    """A row of the caller's own: the library defaults with the benchmark's target kind, changed by `changes`
+    (GromParams field -> JSON value), named by its JSON. It applies to any data."""
+    changes = dict(changes)
+    name = json.dumps(changes)
+    return Ablation(name, f"the library defaults with {name}",
+                    lambda p, n: {**GromParams(target=p.target, influence=False).to_dict(), **changes})
+
+
 def ablation_params(base: GromParams, row: Ablation, target: str, num_layers: int) -> GromParams:
     """The row's parameters: its change over `base`, or (change None) the library defaults with `target`."""
     changes = row.change(base, num_layers)
@@ -115,21 +128,26 @@ def applicable_rows(rows: Sequence[Ablation], base: GromParams, forget: Sequence
 
 def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
                  rows: tuple[str, ...] | None = None, authors: int | None = None,
-                 config: Mapping[str, object] | None = None) -> dict:
-    """Evaluate every ablation row (or those named in `rows`) on the benchmark's target model (of the benchmark's
-    data with `config`'s fields, see `sized_config`).
+                 config: Mapping[str, object] | None = None, custom: Sequence[Mapping[str, object]] = ()) -> dict:
+    """Evaluate every ablation row (or those named in `rows`), then a `custom_row` for each of `custom` (given
+    alone, they replace the full list), on the benchmark's target model (of the benchmark's data with `config`'s
+    fields, see `sized_config`). Unknown row names and parameters are refused before any work.
 
     Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "before" (the unedited model's
     metrics), "rows": [{"name", "why", "params", "seconds", "layers", "forget_positions", "logit_drop",
     "metrics"}]}.
     """
     bench = get_benchmark(benchmark)
-    chosen = [r for r in ABLATIONS if rows is None or r.name in rows]
+    chosen = [r for r in ABLATIONS if (rows is None and not custom) or r.name in (rows or ())]
     unknown = sorted(set(rows or ()) - {r.name for r in ABLATIONS})
     if unknown:
         raise DataError(f"no ablation row named {', '.join(map(repr, unknown))}; rows: "
                         f"{', '.join(r.name for r in ABLATIONS)}")
     base = GromParams.from_dict({**bench.params_for("grom", False), "influence": False})
+    own = [custom_row(changes) for changes in custom]
+    for row in own:
+        ablation_params(base, row, base.target, 1)  # a ParamsError names the field now, not after a build
+    chosen += own
     ws = Workspace.resolve(home)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors, config))
     forget, retain = built.unlearning_inputs()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import typer
@@ -18,6 +18,7 @@ from flows.console import (
     before_after_table,
     emit,
     err,
+    json_objects,
     json_option,
     key_values,
     quantization_table,
@@ -233,6 +234,9 @@ def bench(
     ablation: Annotated[bool, typer.Option(help="Instead of the methods: the closed form's design choices, one "
                                                 "row each (flows/ablation.py).")] = False,
     rows: Annotated[str | None, typer.Option(help="With --ablation: comma-separated row names (default all).")] = None,
+    params: Annotated[str | None, typer.Option(help="With --ablation: rows of your own, a JSON object of GromParams "
+                                                    "fields (or a list of them), each changing the library "
+                                                    "defaults; alone they replace the full list.")] = None,
     config: ConfigOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -242,10 +246,14 @@ def bench(
 
     setup_logging(True)
     variant = json_option(config, "--config")
+    own = json_objects(params, "--params")
     if ablation:
         chosen = tuple(r.strip() for r in rows.split(",") if r.strip()) if rows else None
-        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant)
+        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant, own)
         return
+    if own or rows:
+        raise DataError("--rows and --params choose ablation rows: add --ablation (the methods' rows take each "
+                        "benchmark's own parameters)")
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
                        tuple(q.strip() for q in quantizers.split(",") if q.strip()),
                        {"epochs": epochs} if epochs else None, authors=authors, config=variant)
@@ -269,10 +277,11 @@ def bench(
 
 
 def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool,
-                    rows: tuple[str, ...] | None = None, config: Mapping[str, object] | None = None) -> None:
+                    rows: tuple[str, ...] | None = None, config: Mapping[str, object] | None = None,
+                    custom: Sequence[Mapping[str, object]] = ()) -> None:
     from flows.ablation import run_ablation
 
-    result = run_ablation(home, benchmark, split, rows, authors=authors, config=config)
+    result = run_ablation(home, benchmark, split, rows, authors=authors, config=config, custom=custom)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
     for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)",

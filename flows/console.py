@@ -98,13 +98,28 @@ def key_values(table: Table, payload: dict, key_column: str = "item") -> Table:
     return table
 
 
+def _parsed(text: str, option: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{option} is not valid JSON ({exc.msg} at character {exc.pos}): {text}") from exc
+
+
+def json_objects(text: str | None, option: str) -> list[dict]:
+    """An option that holds one JSON object or a list of them, as a list (empty when not given)."""
+    if not text:
+        return []
+    value = _parsed(text, option)
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, dict) for v in values):
+        raise DataError(f"{option} must be a JSON object or a list of objects, got {text}")
+    return values
+
+
 def json_option(text: str | None, option: str) -> dict:
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{option} is not valid JSON ({exc.msg} at character {exc.pos}): {text}") from exc
+    value = _parsed(text, option)
     if not isinstance(value, dict):
         raise DataError(f"{option} must be a JSON object, got {text}")
     return value

@@ -46,11 +46,15 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     tmp_path = small_workspace / "ws"
     result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "gain x2",
                                                             "no retain budget", "keys at answers",
-                                                            "drops by position"), authors=10)
+                                                            "drops by position"), authors=10,
+                          custom=[{"relative_ridge": 0.01}])
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["benchmark parameters", "library defaults", "keys at answers", "drops by position",
-                          "gain x2", "no retain budget"]  # in the table's order
+                          "gain x2", "no retain budget", '{"relative_ridge": 0.01}']  # the table's order, own last
     assert rows["library defaults"]["params"] == GromParams(influence=False).to_dict()
+    own = rows['{"relative_ridge": 0.01}']
+    assert own["params"] == GromParams(influence=False, relative_ridge=0.01).to_dict()
+    assert own["metrics"] != rows["library defaults"]["metrics"]  # the change reached the solve
     assert rows["gain x2"]["params"]["gain"] == 2 * rows["benchmark parameters"]["params"]["gain"]
     for row in rows.values():
         assert set(result["columns"]) <= set(row["metrics"]) and row["seconds"] > 0
@@ -75,6 +79,10 @@ def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
 
     with pytest.raises(DataError, match="no ablation row named 'bogus'"):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, ("bogus",), authors=10)
+    with pytest.raises(DataError, match="relative_ridge must be float"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"relative_ridge": "big"}])
+    with pytest.raises(DataError, match="need beta > 0"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"beta": -1}])
     assert not (tmp_path / "ws").exists()
 
 

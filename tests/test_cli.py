@@ -74,6 +74,13 @@ def test_bad_option_is_a_usage_error(tmp_path):
     done = grom("evaluate", "--benchmark", "minimuse", "--model", str(tmp_path / "none"), "--config",
                 '{"shared_name": false}', "--home", str(tmp_path))
     assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
+    # rows of one's own are ablation rows; their parameters are checked before anything is built
+    done = grom("bench", "--params", '{"relative_ridge": 0.1}', "--home", str(tmp_path))
+    assert done.returncode == 2 and "add --ablation" in done.stderr and "Traceback" not in done.stderr
+    done = grom("bench", "--ablation", "--params", '[{"relative_ridge": 0.1}, {"ridge": 1}]', "--home", str(tmp_path))
+    assert done.returncode == 2 and "no parameter 'ridge'" in done.stderr and "Traceback" not in done.stderr
+    done = grom("bench", "--ablation", "--params", '[1, 2]', "--home", str(tmp_path))
+    assert done.returncode == 2 and "a list of objects" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "benchmarks").exists()
 
 
