@@ -22,6 +22,7 @@ from grom_core.data import Batch
 from grom_core.edit import Edit
 from grom_core.errors import DataError
 from grom_core.modes import evaluating
+from grom_core.scoring import gold_logprobs
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,12 @@ def head_reach(model: nn.Module, edit: Edit, batches: Sequence[Batch], head_name
             if not mask.any():
                 continue
             ids, attention = batch.input_ids.to(device), batch.attention_mask.to(device)
-            before = model(input_ids=ids, attention_mask=attention).logits[mask].double()  # (p, vocab)
+            before = model(input_ids=ids, attention_mask=attention).logits[mask]  # (p, vocab)
             with edit.applied(model):
-                after = model(input_ids=ids, attention_mask=attention).logits[mask].double()
+                after = model(input_ids=ids, attention_mask=attention).logits[mask]
             gold = batch.labels.to(device)[:, 1:][mask[:, :-1]]  # the token after each kept position
-            rises.append((after - before)[:, rows].amax(dim=1))
-            lost = (torch.log_softmax(before, -1) - torch.log_softmax(after, -1)).gather(1, gold[:, None])[:, 0]
+            rises.append((after[:, rows].double() - before[:, rows].double()).amax(dim=1))
+            lost = gold_logprobs(before, gold) - gold_logprobs(after, gold)  # (p,) float64
             in_rows = torch.isin(gold, rows)
             nll_rows.append(lost[in_rows])
             nll_others.append(lost[~in_rows])

@@ -16,6 +16,7 @@ import logging
 
 from flows.evaluation import build_benchmark
 from flows.workspace import Workspace
+from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
 from grom_core.closed_form import GromParams, run_grom
 from grom_core.data import QUESTION_TEMPLATE, as_examples, make_batches, prompt_format
@@ -43,7 +44,7 @@ def main() -> None:
     model, tokenizer = load_for_edit(str(built.models["target"]))
     params = GromParams.from_dict({**bench.params_for("grom", False), "influence": False})
     run = run_grom(model, tokenizer, forget, retain, params, prompt_format=bench.prompt_format)
-    head = next(name for name, delta in run.edit.deltas.items() if delta.row_index is not None)
+    head = ModelAdapter.for_model(model).lm_head_name
     fmt = prompt_format(bench.prompt_format)
 
     print(f"| {args.split} answers | positions | bag tokens | largest bag rise, mean (nats) | share > "
