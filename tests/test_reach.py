@@ -11,7 +11,7 @@ from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.benchmarks.authors import author_questions
 from grom_core.capture import collect
 from grom_core.closed_form import GromParams, run_grom
-from grom_core.data import make_batches
+from grom_core.data import Batch, make_batches
 from grom_core.edit import Edit, ModuleDelta
 from grom_core.errors import DataError
 from grom_core.fingerprint import weights_fingerprint
@@ -58,7 +58,7 @@ def test_head_reach_refuses_what_it_cannot_read(tiny_llama, tokenizer):
     head = Edit({name: ModuleDelta.from_factors(name, torch.ones(1, 1, dtype=torch.float64),
                                                 torch.ones(1, hn, dtype=torch.float64), row_index=torch.tensor([3]),
                                                 out_features=hm)}, weights_fingerprint(tiny_llama))
-    unsupervised = [b.__class__(b.input_ids, b.attention_mask, torch.full_like(b.labels, -100), b.example_ids)
+    unsupervised = [Batch(b.input_ids, b.attention_mask, torch.full_like(b.labels, -100), b.example_ids)
                     for b in batches]
     with pytest.raises(DataError, match="no supervised position"):
         head_reach(tiny_llama, head, unsupervised, name)
@@ -68,16 +68,18 @@ def test_one_subjects_bag_is_a_rank_one_head_edit(trained):
     """Pooled by subject, every position of one author asks for the same bag, so the head's update is -a w^T: its
     rows move together, by one scalar of the key (what reach.py's docstring builds on)."""
     model, tokenizer = trained
-    ModelAdapter.for_model(model).untie_lm_head()
+    adapter = ModelAdapter.for_model(model)
+    adapter.untie_lm_head()
+    params = GromParams(influence=False, retain_budget=None)
+
     def about(author):
         return [dataclasses.replace(ex, subject=author.name) for ex in author_questions(author)]
 
-    run = run_grom(model, tokenizer, about(AUTHORS[0]), RETAIN, GromParams(influence=False, retain_budget=None))
+    run = run_grom(model, tokenizer, about(AUTHORS[0]), RETAIN, params)
     assert run.layers == []  # the head alone lowers a subject's bag
-    delta = run.edit.deltas[ModelAdapter.for_model(model).lm_head_name]
+    delta = run.edit.deltas[adapter.lm_head_name]
     singular = torch.linalg.svdvals(delta.full()[delta.row_index])
     assert delta.row_index.numel() > 1 and singular[1] < 1e-9 * singular[0]
-    params = GromParams(influence=False, retain_budget=None)
     two = run_grom(model, tokenizer, about(AUTHORS[0]) + about(AUTHORS[1]), RETAIN, params)
-    two_delta = two.edit.deltas[ModelAdapter.for_model(model).lm_head_name]
+    two_delta = two.edit.deltas[adapter.lm_head_name]
     assert torch.linalg.matrix_rank(two_delta.full()[two_delta.row_index]) == 2  # one detector per author
