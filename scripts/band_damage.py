@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--forget-target", type=float, default=0.05, help="GromParams.forget_target")
     parser.add_argument("--attack", default=None, help="GromParams.forget_target_attack (e.g. gguf_q4_1)")
     parser.add_argument("--holdout", type=int, default=5, help="every N-th retain row is held out")
+    parser.add_argument("--bands", default=None,
+                        help="first layers of the bands to run, comma-separated (default: every band of two)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -93,7 +95,8 @@ def main() -> None:
     print("| band | scale | held-out KL | gold NLL change | absolute change | forget fb / qa / adv | "
           "neighbours fb / qa |")
     print("|---|---|---|---|---|---|---|")
-    for first in range(0, layers - 1, 2):
+    firsts = [int(v) for v in args.bands.split(",")] if args.bands else range(0, layers - 1, 2)
+    for first in firsts:
         start = time.perf_counter()
         params = GromParams(layers=(first, first + 1), forget_target=args.forget_target,
                             forget_target_attack=args.attack, influence=False)
