@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -66,6 +67,7 @@ from grom_core.targets import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,13 @@ class GromParams(Params):
     """Hyper-parameters of the closed-form edit.
 
     Attributes:
-        layers: layers whose down-projection is edited; None picks a band by logit-lens attribution, or every
-            layer for sentence drops (what a model memorised word for word is not held in one band: on minimuse
-            the attributed band of two forgets less at the same retain budget, README), or none at all for
-            counterfactual drops pooled by subject, which the LM head lowers alone (see `scope`).
+        layers: layers whose down-projection is edited; [] edits the LM head alone (suppression with
+            `edit_lm_head`). None picks a band by logit-lens attribution, or every layer for sentence drops (what
+            a model memorised word for word is not held in one band: on minimuse the attributed band of two
+            forgets less at the same retain budget, README), or none at all for counterfactual drops pooled by
+            subject, which the LM head lowers alone (see `scope`). For specificity drops under a retain budget the
+            band and head and the head alone are both solved, and the one that forgets more within the budget is
+            kept (see `compare_placements`).
         band_width: number of contiguous layers in the automatic band.
         late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression targets only).
@@ -110,11 +115,11 @@ class GromParams(Params):
         min_gap: counterfactual and sentence drops: positions whose gap (before the gain) is smaller, in nats of
             log-odds, are not forget keys: the model rates their token about as it would for anyone (or from its
             sentence alone).
-        retain_budget: counterfactual and sentence drops: the largest mean increase of the retain answers' token
-            NLL (nats per token, on `budget_examples` retain rows drawn with `seed`, their first 128 tokens) the
-            edit may cause; a larger edit is scaled down (alpha * P for every module, found by bisection on forward
-            passes) until it fits. How far `gain` can go depends on how entangled the forget facts are with the
-            retain ones; the budget finds out on the data. None: no limit.
+        retain_budget: suppression keyed at the answers (any drop kind): the largest mean increase of the retain
+            answers' token NLL (nats per token, on `budget_examples` retain rows drawn with `seed`, their first 128
+            tokens) the edit may cause; a larger edit is scaled down (alpha * P for every module, found by
+            bisection on forward passes) until it fits. How far `gain` or `beta` can go depends on how entangled
+            the forget facts are with the retain ones; the budget finds out on the data. None: no limit.
         forget_target: a stated forget level instead of the full drop: the edit is scaled down to the smallest
             alpha (the budget's grid, within what the budget allows) at which the forget answers' probability
             (TOFU's: exp of minus each answer's mean token NLL, averaged over the forget rows, in the prompt format)
@@ -214,8 +219,11 @@ class GromParams(Params):
             raise ParamsError("need batch_size >= 1 and max_length >= 2 (tokens)")
         if not 0 <= self.threshold <= 1 or self.sharpness <= 0 or self.smoothing < 0:
             raise ParamsError("need 0 <= threshold <= 1, sharpness > 0 and smoothing >= 0")
-        if self.layers is not None and (not self.layers or min(self.layers) < 0):
-            raise ParamsError(f"layers must be a non-empty list of layer indices >= 0, got {list(self.layers)}")
+        if self.layers is not None and self.layers and min(self.layers) < 0:
+            raise ParamsError(f"layers must be layer indices >= 0, got {list(self.layers)}")
+        if self.layers is not None and not self.layers and not (self.edit_lm_head and self.target == "suppress"):
+            raise ParamsError("layers [] edits the LM head alone: it needs edit_lm_head=True and target='suppress'; "
+                              "name at least one layer otherwise")
 
 
 @dataclass
@@ -288,9 +296,10 @@ class Prepared:
     stats_digest: str  # what the retain statistics depend on: the retain data, max_length and the prompt format
     drops: torch.Tensor | None = None  # (s,) measured drops per forget position; None: beta * weights
     drops_kind: str = "specificity"
-    retain_sample: list[Batch] | None = None  # where the retain budget is measured (measured drops only)
+    retain_sample: list[Batch] | None = None  # where the retain budget is measured (suppression at the answers)
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
-    forget_sample: list[Batch] | None = None  # the forget rows, every answer token scored (forget_target only)
+    # the forget rows, every answer token scored (forget_target, and comparing placements under a budget)
+    forget_sample: list[Batch] | None = None
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -322,12 +331,16 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
         weights = weights * word_start_mask(tokenizer, vocab)
     drops, retain_sample, groups = None, None, None
     if drops_kind in ("counterfactual", "sentence"):
-        forget_batches, drops, retain_sample = _measured_drops(model, tokenizer, forget_ex, retain_ex,
-                                                               forget_batches, fmt, params, drops_kind)
+        forget_batches, drops = _measured_drops(model, tokenizer, forget_ex, retain_ex, forget_batches, fmt, params,
+                                                drops_kind)
         if drops_kind == "counterfactual" and params.scope == "subject":
             groups = subject_groups(forget_ex)
+    if params.retain_budget is not None and params.target == "suppress" and keys == "answer" and retain_ex:
+        rows = random.Random(params.seed).sample(retain_ex, min(params.budget_examples, len(retain_ex)))
+        # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
+        retain_sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt)
     forget_sample = None
-    if params.forget_target is not None:
+    if params.forget_target is not None or (retain_sample is not None and drops_kind == "specificity"):
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
@@ -341,9 +354,9 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
 
 def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retain_ex: list[Example],
                     forget_batches: list[Batch], fmt: PromptFormat, params: GromParams, kind: str
-                    ) -> tuple[list[Batch], torch.Tensor, list[Batch] | None]:
+                    ) -> tuple[list[Batch], torch.Tensor]:
     """The forget batches cut to the positions that carry what the model knows (counterfactual or sentence drops,
-    `kind`), their drops (s,), and the retain sample the budget is read on (None without a budget)."""
+    `kind`) and their drops (s,)."""
     if kind == "sentence":
         questions = [ex.question for ex in retain_ex if ex.question is not None]
         found = sentence_drops(model, tokenizer, forget_ex, forget_batches, fmt, gain=params.gain,
@@ -359,12 +372,7 @@ def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retai
                                      pool=pool, rename=params.rename)
     log.info("%s drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewritten rows", kind,
              found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
-    sample = None
-    if params.retain_budget is not None:
-        rows = random.Random(params.seed).sample(retain_ex, min(params.budget_examples, len(retain_ex)))
-        # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
-        sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt)
-    return found.batches, found.drops, sample
+    return found.batches, found.drops
 
 
 def subject_groups(examples: Sequence[Example]) -> torch.Tensor:
@@ -423,6 +431,47 @@ def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple
     return layers, scores
 
 
+def head_alone_competes(prep: Prepared, params: GromParams, layers: Sequence[int]) -> bool:
+    """Whether the LM head alone is solved beside the attributed band: specificity drops at the answers, the
+    layers left to the library, and a retain budget to weigh both placements at (see `compare_placements`)."""
+    return (params.layers is None and bool(layers) and prep.drops_kind == "specificity" and params.edit_lm_head
+            and params.target == "suppress" and params.forget_target is None and prep.retain_sample is not None
+            and prep.forget_sample is not None)
+
+
+def compare_placements(model: nn.Module, prep: Prepared, params: GromParams, band: Solved, alone: Solved
+                       ) -> tuple[str, dict, BudgetFit]:
+    """Which placement to keep, "band" (the band and head) or "head_alone", what was measured, and the kept one's
+    budget fit. Each full update's retain damage and rise of the forget answers' mean token NLL (nats) are read on
+    forward passes (the model is left unchanged); of those that fit the budget the one that forgets more is kept,
+    and where neither fits, the one that costs the retain sample less, scaled to fit. Neither placement suits every
+    model: a tiny model's 128-wide head cannot tell its forget keys from its retain keys, and the band forgets 6x
+    more (tests/test_closed_form.py); on SmolLM2 the band's full update costs the retain sample 3.2 nats (scaled to
+    fit, 0.06 of it forgets nothing), the head alone's 0.002 (README, minirwku)."""
+    budget = float(params.retain_budget)
+    retain_base, forget_base = answer_nll(model, prep.retain_sample), answer_nll(model, prep.forget_sample)
+
+    def measure() -> tuple[float, float]:
+        return (float((answer_nll(model, prep.retain_sample) - retain_base).mean()),
+                float((answer_nll(model, prep.forget_sample) - forget_base).mean()))
+
+    found = {}
+    for name, solved in (("band", band), ("head_alone", alone)):
+        damage, rise = _scaled_and_measured(model, solved.deltas, 1.0, measure)
+        found[name] = {"retain_damage": damage, "forget_nll_rise": rise}
+    fitting = [name for name in found if found[name]["retain_damage"] <= budget]
+    chosen = (max(fitting, key=lambda name: found[name]["forget_nll_rise"]) if fitting
+              else min(found, key=lambda name: found[name]["retain_damage"]))
+    log.info("placement: the band and head cost the retain sample %.4f nats and raise the forget answers' NLL by "
+             "%.3f, the head alone %.4f and %.3f (budget %.3g): %s", found["band"]["retain_damage"],
+             found["band"]["forget_nll_rise"], found["head_alone"]["retain_damage"],
+             found["head_alone"]["forget_nll_rise"], budget, chosen.replace("_", " "))
+    kept = band if chosen == "band" else alone
+    fit = fit_to_budget(model, prep.retain_sample, kept.deltas, budget, base=retain_base,
+                        full=found[chosen]["retain_damage"])
+    return chosen, found, fit
+
+
 def edited_modules(adapter: ModelAdapter, layers: Sequence[int], params: GromParams) -> list[str]:
     """Module names in solve order: the layers' down-projections, lowest first, then the LM head if edited."""
     modules = [adapter.down_proj_names[layer] for layer in sorted(layers)]
@@ -476,14 +525,33 @@ def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
     return {m: stats[m] for m in modules}, reused
 
 
-def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str], stats: dict[str, GramStats],
-          params: GromParams, scores: LayerScores | None = None) -> tuple[Edit, dict[str, SolveRecord]]:
+@dataclass
+class Solved:
+    """The unscaled updates of one placement: module -> delta and solve record, and the logit drop as solved."""
+
+    deltas: dict[str, ModuleDelta]
+    records: dict[str, SolveRecord]
+    achieved: dict[str, float]
+
+
+def solve_modules(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str],
+                  stats: dict[str, GramStats], params: GromParams) -> Solved:
     """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
                                prep.drops, prep.drop_groups)
     deltas, records = solver.solve(modules)
-    fit, enough = None, None
-    if prep.retain_sample is not None and params.retain_budget is not None:
+    return Solved(deltas=deltas, records=records, achieved=solver.achieved)
+
+
+def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str], stats: dict[str, GramStats],
+          params: GromParams, scores: LayerScores | None = None, solved: Solved | None = None,
+          fit: BudgetFit | None = None) -> tuple[Edit, dict[str, SolveRecord]]:
+    """The Edit of `modules`: solved (unless `solved` is given), scaled to the retain budget (unless its `fit` is
+    given) and to the forget target; the model is left unchanged."""
+    solved = solved or solve_modules(model, prep, layers, modules, stats, params)
+    deltas, records = solved.deltas, solved.records
+    enough = None
+    if fit is None and prep.retain_sample is not None and params.retain_budget is not None:
         fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
     if prep.forget_sample is not None and params.forget_target is not None:
         enough = fit_to_forget_target(model, prep.forget_sample, deltas, params.forget_target,
@@ -499,7 +567,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
                           "forget_positions": int(next(iter(records.values())).keys.shape[1]),
                           "retain_positions": {m: stats[m].count for m in modules},
                           "layer_scores": scores.as_rows() if scores is not None else None,
-                          "logit_drop": solver.achieved,  # as solved, before a retain budget's scale
+                          "logit_drop": solved.achieved,  # as solved, before a retain budget's scale
                           "drops": prep.drops_kind,
                           "retain_budget": dataclasses.asdict(fit) if fit else None,
                           "forget_target": dataclasses.asdict(enough) if enough else None})
@@ -507,7 +575,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
 
 
 def _scaled_and_measured(model: nn.Module, deltas: Mapping[str, ModuleDelta], alpha: float,
-                         measure: Callable[[], float]) -> float:
+                         measure: Callable[[], T]) -> T:
     """`measure()` on the model with the update alpha * P applied, which is reverted afterwards."""
     edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
     with edit.applied(model, verify=False):
@@ -525,15 +593,16 @@ class BudgetFit:
 
 
 def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta], budget: float,
-                  steps: int = 5) -> BudgetFit:
+                  steps: int = 5, base: torch.Tensor | None = None, full: float | None = None) -> BudgetFit:
     """The largest alpha in [0, 1] (bisection, `steps` halvings) whose update alpha * P raises the retain sample's
-    mean token NLL by at most `budget` nats; the model is left unchanged."""
-    base = answer_nll(model, sample)
+    mean token NLL by at most `budget` nats; the model is left unchanged. `base` (the unedited NLLs) and `full`
+    (the damage at alpha = 1), where already measured, save their forward passes."""
+    base = answer_nll(model, sample) if base is None else base
 
     def damage(alpha: float) -> float:
         return _scaled_and_measured(model, deltas, alpha, lambda: float((answer_nll(model, sample) - base).mean()))
 
-    full = damage(1.0)
+    full = damage(1.0) if full is None else full
     if full <= budget:
         return BudgetFit(scale=1.0, damage_unscaled=full, damage=full)
     low, high, at_low = 0.0, 1.0, 0.0
@@ -645,7 +714,19 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
         stats, reused = retain_statistics(model, prep, modules, retain_stats, store=stats_store,
                                           compute=compute_stats)
     with clock.stage("solve"):
-        edit, records = solve(model, prep, layers, modules, stats, params, scores)
+        if head_alone_competes(prep, params, layers):
+            head = prep.adapter.lm_head_name
+            band = solve_modules(model, prep, layers, modules, stats, params)
+            alone = solve_modules(model, prep, [], [head], {head: stats[head]}, params)
+            chosen, placement, fit = compare_placements(model, prep, params, band, alone)
+            if chosen == "head_alone":
+                layers, scores, modules, stats = [], None, [head], {head: stats[head]}
+                reused = [m for m in reused if m == head]
+            edit, records = solve(model, prep, layers, modules, stats, params, scores,
+                                  solved=band if chosen == "band" else alone, fit=fit)
+            edit.metadata["placement"] = {"chosen": chosen, **placement}
+        else:
+            edit, records = solve(model, prep, layers, modules, stats, params, scores)
     run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records,
                   reused_stats=reused)
     if params.influence:

@@ -13,7 +13,7 @@ from grom_core.edit import Edit
 from grom_core.errors import DataError, FingerprintMismatchError, ParamsError, UnsupportedArchitectureError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.influence import leave_one_out
-from grom_core.scoring import answer_probability
+from grom_core.scoring import answer_nll, answer_probability
 from grom_core.statistics import GramStats, MemoryStatsStore
 
 
@@ -30,6 +30,15 @@ def test_one_call_edit_forgets_and_keeps_retain(trained, capsys):
     assert weights_fingerprint(model) == fingerprint  # computing the edit leaves the model unchanged
     assert run.edit.base_fingerprint == fingerprint
     assert run.edit.modules[-1] == "lm_head" and len(run.edit.modules) == 3
+    # both placements were solved; this 128-wide head alone forgets far less than the band and head
+    placement = run.edit.metadata["placement"]
+    assert placement["chosen"] == "band" and run.edit.metadata["retain_budget"]["scale"] == 1.0
+    assert placement["band"]["forget_nll_rise"] > 2 * placement["head_alone"]["forget_nll_rise"] > 0
+    sample = make_batches(tokenizer, FORGET, 16)
+    nll_before = answer_nll(model, sample)
+    with run.edit.applied(model):  # unscaled here: the rise recorded is the kept edit's
+        rise = float((answer_nll(model, sample) - nll_before).mean())
+    assert rise == pytest.approx(placement["band"]["forget_nll_rise"], rel=1e-6)
 
     with run.edit.applied(model):
         forget_after = answer_probability(model, tokenizer, FORGET)
@@ -169,6 +178,30 @@ def test_bad_inputs(trained):
     with pytest.raises(ParamsError, match="layers must be a list of int or null"):
         GromParams.from_dict({"layers": "a"})
     assert GromParams.from_dict({"layers": [2, 1], "beta": 60}).layers == (2, 1)
+    for bad in ({"layers": [], "target": "corrupt"}, {"layers": [], "edit_lm_head": False}):
+        with pytest.raises(ParamsError, match="edits the LM head alone"):
+            run_grom(model, tokenizer, FORGET, RETAIN, GromParams.from_dict(bad))
+    with pytest.raises(ParamsError, match="layer indices >= 0"):
+        GromParams.from_dict({"layers": [-1]}).validate()
+
+
+def test_the_lm_head_alone_and_the_budget_on_specificity_drops(trained):
+    """layers=[] edits the LM head alone; the retain budget scales specificity drops too; the placement recorded
+    is what the kept edit does to the forget answers."""
+    model, tokenizer = trained
+    alone = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(layers=(), influence=False)).edit
+    assert alone.modules == ["lm_head"] and alone.metadata["layers"] == [] and "placement" not in alone.metadata
+    tight = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(retain_budget=1e-3, influence=False)).edit
+    fit = tight.metadata["retain_budget"]
+    assert fit["damage_unscaled"] > 1e-3 >= fit["damage"] and 0 < fit["scale"] < 1
+    placement = tight.metadata["placement"]  # neither full update fits: the cheaper one is kept, scaled to fit
+    chosen = placement[placement["chosen"]]
+    assert all(placement[name]["retain_damage"] > 1e-3 for name in ("band", "head_alone"))
+    assert chosen["retain_damage"] == fit["damage_unscaled"]
+    assert chosen["retain_damage"] == min(placement[name]["retain_damage"] for name in ("band", "head_alone"))
+    assert (tight.modules == ["lm_head"]) == (placement["chosen"] == "head_alone")
+    free = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(retain_budget=None, influence=False)).edit
+    assert free.metadata["retain_budget"] is None and "placement" not in free.metadata  # nothing to weigh at
 
 
 def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):

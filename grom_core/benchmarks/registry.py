@@ -62,7 +62,6 @@ class Benchmark:
         metrics: the metric keys it exports.
         read_reference: path -> the retain model's per-question values a metric compares against (or None).
         write_reference: (path, split, evaluation result) -> path: writes what `read_reference` reads.
-        method_params: method name -> parameter overrides for this benchmark (as MEMIT keeps them per model).
         load_files: (folder, forget split, read) -> splits, for a benchmark whose data the user holds (real
             TOFU); `read(path, layout)` reads and checks one file.
         pretrained: a shipped model (grom_core.checkpoints) that is the benchmark's target as it is: nothing is
@@ -87,7 +86,6 @@ class Benchmark:
     metrics: MetricKeys
     read_reference: Callable[[Path], object]
     write_reference: Callable[[Path, str, dict], Path]
-    method_params: dict[str, dict] = field(default_factory=dict)
     load_files: Callable[..., dict[str, list[dict]]] | None = None
     pretrained: str | None = None
     prompt_format: str = "qa"
@@ -95,13 +93,13 @@ class Benchmark:
     grom_target: str = "suppress"
 
     def params_for(self, method: str, gradient: bool) -> dict:
-        """This benchmark's parameter overrides for `method`; a gradient method also gets the recipe, the closed
-        form the task's target kind."""
-        values = dict(self.method_params.get(method, {}))
+        """What `method` runs with on this benchmark besides its defaults: a gradient method the recipe, the closed
+        form the task's target kind; no tuned preset (issue 13: one default everywhere)."""
+        values: dict = {}
         if method == "grom" and self.grom_target != "suppress":
-            values.setdefault("target", self.grom_target)
+            values["target"] = self.grom_target
         if gradient and self.trainer:
-            values["trainer"] = {**self.trainer, **values.get("trainer", {})}
+            values["trainer"] = dict(self.trainer)
         return values
 
 
@@ -219,10 +217,6 @@ BENCHMARKS: dict[str, Benchmark] = {
                           {split: "retain_corpus" for split in minirwku.TARGETS}, "forget05",
                           minirwku.unlearning_inputs, RWKU_METRICS, _read_json_metrics, _write_json_reference,
                           pretrained="smollm2", prompt_format="completion",
-                          # the auto band (the last two layers, where the logit lens attributes most) also hits
-                          # the neighbours' capitals (0.67 kept at forget05); layers 10-11 of 30 keep 0.97 (see
-                          # the README's minirwku section for the command)
-                          method_params={"grom": {"layers": [10, 11], "beta": 15.0, "relative_ridge": 0.1}},
                           # TOFU's recipe for pretrained models (lr 1e-5, 10 epochs) with batches that fit a
                           # forget set of 3-30 examples
                           trainer={"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1}),
