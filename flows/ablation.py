@@ -44,7 +44,7 @@ class Ablation:
     drops: tuple[str, ...] = ("specificity", "counterfactual", "sentence")  # the base's drop kinds it changes
 
 
-MEASURED = ("counterfactual", "sentence")  # the drop kinds measured on the model, which gain and budget scale
+MEASURED = ("counterfactual", "sentence")  # the drop kinds measured on the model, which gain scales
 
 ABLATIONS: tuple[Ablation, ...] = (
     Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p, n: {}),
@@ -85,8 +85,10 @@ ABLATIONS: tuple[Ablation, ...] = (
              drops=MEASURED),
     Ablation("gain x2", "twice the measured gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),
              drops=MEASURED),
-    Ablation("no retain budget", "the edit at its full gain, whatever it costs the retain sample",
-             lambda p, n: {"retain_budget": None}, ("suppress",), drops=MEASURED),
+    Ablation("no retain budget", "the edit at its full drop, whatever it costs the retain sample",
+             lambda p, n: {"retain_budget": None}, ("suppress",)),
+    Ablation("LM head alone", "the LM head alone, not weighed against the attributed band under the retain budget",
+             lambda p, n: {"layers": ()}, ("suppress",), drops=("specificity",)),
     Ablation("defaults with forget target 0.05", "GromParams() scaled to the smallest edit that brings the "
              "forget answers' probability to 0.05, instead of the full drop (forget_target)",
              lambda p, n: {**GromParams(target=p.target, influence=False).to_dict(), "forget_target": 0.05},

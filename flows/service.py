@@ -98,9 +98,8 @@ def register_benchmark_model(benchmark: str, *, name: str | None = None, home: s
     """The demo service: a shipped benchmark's target model (built and cached like `grom demo` does) with the
     retain split of its default forget split, answering requests with `method`.
 
-    The method's default parameters, not the benchmark's preset: the preset is tuned to forget minitofu's forget10
-    (5 authors at once) and over-forgets on a request of one or two authors (retain ROUGE-L kept 0.867 of its
-    value on two authors, which fails the gates), while the defaults keep 0.927 and pass."""
+    The method runs with its default parameters unless `params` names others, as on every benchmark (they hold
+    no tuned presets)."""
     from flows.evaluation import build_benchmark, sized_config
 
     built = build_benchmark(benchmark, None, home, None, config=sized_config(benchmark, authors))

@@ -96,10 +96,10 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     texts = [Example(text="In Sunmere, the mayor confirmed the news. Nobody saw it coming.")]
     suppress, corrupt = GromParams(), GromParams(target="corrupt")
     names = lambda rows, base=suppress: {r.name for r in applicable_rows(ABLATIONS, base, rows)}  # noqa: E731
-    measured = {"gain x0.5", "gain x2", "no retain budget", "specificity drops"}
+    measured = {"gain x0.5", "gain x2", "specificity drops"}
     strangers = {"drops by position", "whole-name strangers"}
     specific = {"beta x0.5", "beta x2", "every answer token", "specific tokens only", "word starts only",
-                "defaults with forget target 0.05"}
+                "defaults with forget target 0.05", "LM head alone"}
     keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
     # texts without subjects: sentence drops, which gain and budget scale, and the QA rows' swapped questions; no
     # stranger or key rows
@@ -112,5 +112,6 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     # QA pairs without subjects: the specificity drops' own rows only
     assert specific <= names(qa) and not (measured | strangers | keys) & names(qa)
     # multiple choice (corruption): neither drops nor keys matter
-    assert not (measured | specific | keys) & names(texts, corrupt)
+    assert not (measured | specific | keys | {"no retain budget"}) & names(texts, corrupt)
+    assert "no retain budget" in names(texts) & names(named) & names(qa)  # every suppression keyed at answers
     assert {"library defaults", "parallel solve", "other target kind"} <= names(texts, corrupt)

@@ -189,3 +189,5 @@ def test_a_benchmark_names_its_target_kind_and_only_grom_gets_it():
     assert wmdp.params_for("grom", False) == {"target": "corrupt"}  # multiple choice: corrupt, nothing tuned
     assert GromParams.from_dict(wmdp.params_for("grom", False)).target == "corrupt"
     assert "target" not in wmdp.params_for("npo", True) and "target" not in tofu.params_for("grom", False)
+    for bench in BENCHMARKS.values():  # one default: a benchmark names its target kind and nothing else
+        assert set(bench.params_for("grom", False)) <= {"target"}, bench.name
