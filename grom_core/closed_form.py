@@ -452,8 +452,7 @@ def compare_placements(model: nn.Module, prep: Prepared, params: GromParams, ban
     retain_base, forget_base = answer_nll(model, prep.retain_sample), answer_nll(model, prep.forget_sample)
 
     def measure() -> tuple[float, float]:
-        return (float((answer_nll(model, prep.retain_sample) - retain_base).mean()),
-                float((answer_nll(model, prep.forget_sample) - forget_base).mean()))
+        return _nll_rise(model, prep.retain_sample, retain_base), _nll_rise(model, prep.forget_sample, forget_base)
 
     found = {}
     for name, solved in (("band", band), ("head_alone", alone)):
@@ -574,6 +573,11 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     return edit, records
 
 
+def _nll_rise(model: nn.Module, sample: Sequence[Batch], base: torch.Tensor) -> float:
+    """The mean rise (nats) of the sample's per-row mean token NLL over `base` (N,), on the model as it is."""
+    return float((answer_nll(model, sample) - base).mean())
+
+
 def _scaled_and_measured(model: nn.Module, deltas: Mapping[str, ModuleDelta], alpha: float,
                          measure: Callable[[], T]) -> T:
     """`measure()` on the model with the update alpha * P applied, which is reverted afterwards."""
@@ -600,7 +604,7 @@ def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str
     base = answer_nll(model, sample) if base is None else base
 
     def damage(alpha: float) -> float:
-        return _scaled_and_measured(model, deltas, alpha, lambda: float((answer_nll(model, sample) - base).mean()))
+        return _scaled_and_measured(model, deltas, alpha, lambda: _nll_rise(model, sample, base))
 
     full = damage(1.0) if full is None else full
     if full <= budget:
