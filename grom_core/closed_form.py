@@ -22,10 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -51,6 +50,7 @@ from grom_core.layers import LayerScores, choose_band, score_layers
 from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
 from grom_core.quantization import QuantSpec, quantized, quantizers
+from grom_core.readout import NllProbe
 from grom_core.scoring import answer_nll
 from grom_core.sentence_drops import sentence_drops
 from grom_core.solver import solve_factors
@@ -67,7 +67,6 @@ from grom_core.targets import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -338,7 +337,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     if params.retain_budget is not None and params.target == "suppress" and keys == "answer" and retain_ex:
         rows = random.Random(params.seed).sample(retain_ex, min(params.budget_examples, len(retain_ex)))
         # at most 128 tokens a row: the budget is a sample's mean, long prose rows need not be read whole
-        retain_sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt)
+        retain_sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt,
+                                     by_length=True)  # a mean over rows: any order, and a third of the padding
     forget_sample = None
     if params.forget_target is not None or (retain_sample is not None and drops_kind == "specificity"):
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
@@ -442,32 +442,33 @@ def head_alone_competes(prep: Prepared, params: GromParams, layers: Sequence[int
 def compare_placements(model: nn.Module, prep: Prepared, params: GromParams, band: Solved, alone: Solved
                        ) -> tuple[str, dict, BudgetFit]:
     """Which placement to keep, "band" (the band and head) or "head_alone", what was measured, and the kept one's
-    budget fit. Each full update's retain damage and rise of the forget answers' mean token NLL (nats) are read on
-    forward passes (the model is left unchanged); of those that fit the budget the one that forgets more is kept,
-    and where neither fits, the one that costs the retain sample less, scaled to fit. Neither placement suits every
-    model: a tiny model's 128-wide head cannot tell its forget keys from its retain keys, and the band forgets 6x
-    more (tests/test_closed_form.py); on SmolLM2 the band's full update costs the retain sample 3.2 nats (scaled to
-    fit, 0.06 of it forgets nothing), the head alone's 0.002 (README, minirwku)."""
+    budget fit. Each full update's retain damage and rise of the forget answers' mean token NLL (nats) are read
+    (the model is left unchanged; the head alone's from the head's inputs, see grom_core.readout); of those that
+    fit the budget the one that forgets more is kept, and where neither fits, the one that costs the retain sample
+    less, scaled to fit. The band's forget rise is read only where the band fits (otherwise it cannot be kept
+    unscaled, and the comparison does not need it: None). Neither placement suits every model: a tiny model's
+    128-wide head cannot tell its forget keys from its retain keys, and the band forgets 6x more
+    (tests/test_closed_form.py); on SmolLM2 the band's full update costs the retain sample 3.2 nats (scaled to fit,
+    0.06 of it forgets nothing), the head alone's 0.002 (README, minirwku)."""
     budget = float(params.retain_budget)
-    retain_base, forget_base = answer_nll(model, prep.retain_sample), answer_nll(model, prep.forget_sample)
-
-    def measure() -> tuple[float, float]:
-        return _nll_rise(model, prep.retain_sample, retain_base), _nll_rise(model, prep.forget_sample, forget_base)
-
+    head = prep.adapter.lm_head_name
+    retain, forget = NllProbe(model, prep.retain_sample, head), NllProbe(model, prep.forget_sample, head)
     found = {}
-    for name, solved in (("band", band), ("head_alone", alone)):
-        damage, rise = _scaled_and_measured(model, solved.deltas, 1.0, measure)
+    for name, solved in (("head_alone", alone), ("band", band)):
+        damage = retain.rise(solved.deltas)
+        rise = forget.rise(solved.deltas) if name == "head_alone" or damage <= budget else None
         found[name] = {"retain_damage": damage, "forget_nll_rise": rise}
     fitting = [name for name in found if found[name]["retain_damage"] <= budget]
     chosen = (max(fitting, key=lambda name: found[name]["forget_nll_rise"]) if fitting
               else min(found, key=lambda name: found[name]["retain_damage"]))
+    band_rise = found["band"]["forget_nll_rise"]
     log.info("placement: the band and head cost the retain sample %.4f nats and raise the forget answers' NLL by "
-             "%.3f, the head alone %.4f and %.3f (budget %.3g): %s", found["band"]["retain_damage"],
-             found["band"]["forget_nll_rise"], found["head_alone"]["retain_damage"],
-             found["head_alone"]["forget_nll_rise"], budget, chosen.replace("_", " "))
+             "%s, the head alone %.4f and %.3f (budget %.3g): %s", found["band"]["retain_damage"],
+             "(not read: over budget)" if band_rise is None else f"{band_rise:.3f}",
+             found["head_alone"]["retain_damage"], found["head_alone"]["forget_nll_rise"], budget,
+             chosen.replace("_", " "))
     kept = band if chosen == "band" else alone
-    fit = fit_to_budget(model, prep.retain_sample, kept.deltas, budget, base=retain_base,
-                        full=found[chosen]["retain_damage"])
+    fit = fit_to_budget(retain, kept.deltas, budget, full=found[chosen]["retain_damage"])
     return chosen, found, fit
 
 
@@ -514,9 +515,9 @@ def retain_statistics(model: nn.Module, prep: Prepared, modules: Sequence[str],
         if compute is not None:
             computed = compute(missing, prep.fingerprint, prep.stats_digest)
         else:
+            # stopped at the last hooked input, the LM head's too: its vocabulary-wide product is never needed
             computed = accumulate(model, prep.retain_batches, missing, fingerprint=prep.fingerprint,
-                                  data_digest=prep.stats_digest,
-                                  early_stop=prep.adapter.lm_head_name not in missing)
+                                  data_digest=prep.stats_digest)
         check_statistics(computed, prep)
         if store is not None:
             store.save(computed)
@@ -551,10 +552,12 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     deltas, records = solved.deltas, solved.records
     enough = None
     if fit is None and prep.retain_sample is not None and params.retain_budget is not None:
-        fit = fit_to_budget(model, prep.retain_sample, deltas, params.retain_budget)
+        fit = fit_to_budget(NllProbe(model, prep.retain_sample, prep.adapter.lm_head_name), deltas,
+                            params.retain_budget)
     if prep.forget_sample is not None and params.forget_target is not None:
         enough = fit_to_forget_target(model, prep.forget_sample, deltas, params.forget_target,
-                                      upper=fit.scale if fit else 1.0, attack=params.forget_target_attack)
+                                      upper=fit.scale if fit else 1.0, attack=params.forget_target_attack,
+                                      head=prep.adapter.lm_head_name)
     scale = enough.scale if enough else fit.scale if fit else 1.0
     if scale != 1.0:
         deltas = {name: delta.scaled(scale) for name, delta in deltas.items()}
@@ -573,19 +576,6 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
     return edit, records
 
 
-def _nll_rise(model: nn.Module, sample: Sequence[Batch], base: torch.Tensor) -> float:
-    """The mean rise (nats) of the sample's per-row mean token NLL over `base` (N,), on the model as it is."""
-    return float((answer_nll(model, sample) - base).mean())
-
-
-def _scaled_and_measured(model: nn.Module, deltas: Mapping[str, ModuleDelta], alpha: float,
-                         measure: Callable[[], T]) -> T:
-    """`measure()` on the model with the update alpha * P applied, which is reverted afterwards."""
-    edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
-    with edit.applied(model, verify=False):
-        return measure()
-
-
 @dataclass(frozen=True)
 class BudgetFit:
     """The scale alpha given to every module's update, and the retain damage (mean increase of the sampled retain
@@ -596,23 +586,18 @@ class BudgetFit:
     damage: float
 
 
-def fit_to_budget(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta], budget: float,
-                  steps: int = 5, base: torch.Tensor | None = None, full: float | None = None) -> BudgetFit:
-    """The largest alpha in [0, 1] (bisection, `steps` halvings) whose update alpha * P raises the retain sample's
-    mean token NLL by at most `budget` nats; the model is left unchanged. `base` (the unedited NLLs) and `full`
-    (the damage at alpha = 1), where already measured, save their forward passes."""
-    base = answer_nll(model, sample) if base is None else base
-
-    def damage(alpha: float) -> float:
-        return _scaled_and_measured(model, deltas, alpha, lambda: _nll_rise(model, sample, base))
-
-    full = damage(1.0) if full is None else full
+def fit_to_budget(probe: NllProbe, deltas: Mapping[str, ModuleDelta], budget: float, steps: int = 5,
+                  full: float | None = None) -> BudgetFit:
+    """The largest alpha in [0, 1] (bisection, `steps` halvings) whose update alpha * P raises the mean token NLL
+    of the retain sample `probe` reads by at most `budget` nats; the model is left unchanged. `full` (the damage at
+    alpha = 1), where already measured, saves its reading."""
+    full = probe.rise(deltas) if full is None else full
     if full <= budget:
         return BudgetFit(scale=1.0, damage_unscaled=full, damage=full)
     low, high, at_low = 0.0, 1.0, 0.0
     for _ in range(steps):
         mid = (low + high) / 2
-        got = damage(mid)
+        got = probe.rise(deltas, mid)
         low, high, at_low = (mid, high, got) if got <= budget else (low, mid, at_low)
     if low == 0.0:
         log.warning("the retain budget (%.3g nats) allows no edit at all: the forget and retain facts are too "
@@ -644,19 +629,24 @@ class ForgetFit:
 
 
 def fit_to_forget_target(model: nn.Module, sample: Sequence[Batch], deltas: Mapping[str, ModuleDelta],
-                         target: float, upper: float = 1.0, steps: int = 5, attack: str | None = None) -> ForgetFit:
+                         target: float, upper: float = 1.0, steps: int = 5, attack: str | None = None,
+                         head: str | None = None) -> ForgetFit:
     """The smallest alpha on the grid upper * k / 2**steps whose update alpha * P leaves the forget answers'
-    probability (mean over rows of exp(-mean token NLL)) at most `target`, by bisection on forward passes; the
-    model is left unchanged. Where even alpha = upper does not reach it, alpha = upper. `attack`: a quantizer name
-    (grom_core.quantization.quantizers); each probability is read after its round trip of the edited model."""
+    probability (mean over rows of exp(-mean token NLL)) at most `target`, by bisection on readings of the sample;
+    the model is left unchanged. Where even alpha = upper does not reach it, alpha = upper. `attack`: a quantizer
+    name (grom_core.quantization.quantizers); each probability is read by a forward pass after its round trip of
+    the whole edited model. Without one, `head` (the LM head's name) lets a head-only update be read from the head's
+    inputs (grom_core.readout)."""
     spec = attack_spec(attack) if attack is not None else None
+    probe = NllProbe(model, sample, head) if spec is None and head is not None else None
 
-    def forget_probability() -> float:
-        with quantized(model, spec) if spec is not None else nullcontext():
+    def attacked(alpha: float) -> float:
+        edit = Edit(deltas={name: d.scaled(alpha) for name, d in deltas.items()}, base_fingerprint="")
+        with edit.applied(model, verify=False), quantized(model, spec) if spec is not None else nullcontext():
             return float(torch.exp(-answer_nll(model, sample)).mean())
 
     def probability(alpha: float) -> float:
-        return _scaled_and_measured(model, deltas, alpha, forget_probability)
+        return float(torch.exp(-probe.nll(deltas, alpha)).mean()) if probe is not None else attacked(alpha)
 
     at_upper = probability(upper)
     if at_upper > target:

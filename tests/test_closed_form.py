@@ -200,6 +200,8 @@ def test_the_lm_head_alone_and_the_budget_on_specificity_drops(trained):
     assert chosen["retain_damage"] == fit["damage_unscaled"]
     assert chosen["retain_damage"] == min(placement[name]["retain_damage"] for name in ("band", "head_alone"))
     assert (tight.modules == ["lm_head"]) == (placement["chosen"] == "head_alone")
+    # over budget, the band's forget rise is not read (it cannot be kept unscaled); the head alone's costs no pass
+    assert placement["band"]["forget_nll_rise"] is None and placement["head_alone"]["forget_nll_rise"] > 0
     free = run_grom(model, tokenizer, FORGET, RETAIN, GromParams(retain_budget=None, influence=False)).edit
     assert free.metadata["retain_budget"] is None and "placement" not in free.metadata  # nothing to weigh at
 
