@@ -117,8 +117,9 @@ class GromParams(Params):
         retain_budget: suppression keyed at the answers (any drop kind): the largest mean increase of the retain
             answers' token NLL (nats per token, on `budget_examples` retain rows drawn with `seed`, their first 128
             tokens) the edit may cause; a larger edit is scaled down (alpha * P for every module, found by
-            bisection on forward passes) until it fits. How far `gain` or `beta` can go depends on how entangled
-            the forget facts are with the retain ones; the budget finds out on the data. None: no limit.
+            bisection on readings of the sample, grom_core.readout) until it fits. How far `gain` or `beta` can
+            go depends on how entangled the forget facts are with the retain ones; the budget finds out on the data.
+            None: no limit.
         forget_target: a stated forget level instead of the full drop: the edit is scaled down to the smallest
             alpha (the budget's grid, within what the budget allows) at which the forget answers' probability
             (TOFU's: exp of minus each answer's mean token NLL, averaged over the forget rows, in the prompt format)
