@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from flows.bench import evaluate_with_attacks
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
@@ -25,6 +26,7 @@ from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import Example, as_examples
 from grom_core.errors import DataError
 from grom_core.profiling import measure
+from grom_core.quantization import quantizers as available_quantizers
 from grom_core.statistics import MemoryStatsStore
 from tasks.records import EvaluationSpec
 from tasks.steps import evaluate_loaded, load_for_edit
@@ -46,12 +48,20 @@ class Ablation:
 
 MEASURED = ("counterfactual", "sentence")  # the drop kinds measured on the model, which gain scales
 
+
+def scaled_beta(params: GromParams, factor: float) -> dict:
+    """`factor` times the specificity drop: beta where it is set, else the multiple of the measured margin."""
+    if params.beta is None:
+        return {"beta_margins": params.beta_margins * factor}
+    return {"beta": params.beta * factor}
+
+
 ABLATIONS: tuple[Ablation, ...] = (
     Ablation("benchmark parameters", "what `grom bench` runs on this benchmark", lambda p, n: {}),
     Ablation("library defaults", "GromParams() with the benchmark's target kind: the one default", lambda p, n: None),
-    Ablation("beta x0.5", "half the logit drop asked for", lambda p, n: {"beta": p.beta / 2}, ("suppress",),
+    Ablation("beta x0.5", "half the logit drop asked for", lambda p, n: scaled_beta(p, 0.5), ("suppress",),
              drops=("specificity",)),
-    Ablation("beta x2", "twice the logit drop asked for", lambda p, n: {"beta": p.beta * 2}, ("suppress",),
+    Ablation("beta x2", "twice the logit drop asked for", lambda p, n: scaled_beta(p, 2.0), ("suppress",),
              drops=("specificity",)),
     Ablation("every answer token", "specificity a(y) without sharpening or threshold",
              lambda p, n: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",), drops=("specificity",)),
@@ -130,14 +140,19 @@ def applicable_rows(rows: Sequence[Ablation], base: GromParams, forget: Sequence
 
 def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
                  rows: tuple[str, ...] | None = None, authors: int | None = None,
-                 config: Mapping[str, object] | None = None, custom: Sequence[Mapping[str, object]] = ()) -> dict:
+                 config: Mapping[str, object] | None = None, custom: Sequence[Mapping[str, object]] = (),
+                 attacks: Sequence[str] = ()) -> dict:
     """Evaluate every ablation row (or those named in `rows`), then a `custom_row` for each of `custom` (given
     alone, they replace the full list), on the benchmark's target model (of the benchmark's data with `config`'s
-    fields, see `sized_config`). Unknown row names and parameters are refused before any work.
+    fields, see `sized_config`), and again after each quantization round trip in `attacks` (names of
+    grom_core.quantization.quantizers), so that a row whose edit is scaled down shows whether its forgetting
+    survives. Unknown row names, parameters and attacks are refused before any work; an attack this machine cannot
+    run (bitsandbytes missing) is left out with a warning.
 
-    Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "before" (the unedited model's
-    metrics), "rows": [{"name", "why", "params", "seconds", "layers", "forget_positions", "logit_drop",
-    "metrics"}]}.
+    Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "forget_metric" (the one whose
+    recovery is reported), "attacks" (those run), "before" (the unedited model's metrics), "rows": [{"name",
+    "why", "params", "seconds", "layers", "forget_positions", "logit_drop", "metrics", "quantized" (attack ->
+    metrics with "recovery_<forget_metric>": after the round trip minus before it)}]}.
     """
     bench = get_benchmark(benchmark)
     chosen = [r for r in ABLATIONS if (rows is None and not custom) or r.name in (rows or ())]
@@ -150,6 +165,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     for row in own:
         ablation_params(base, row, base.target, 1)  # a ParamsError names the field now, not after a build
     chosen += own
+    quants = attack_specs(attacks)
     ws = Workspace.resolve(home)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors, config))
     forget, retain = built.unlearning_inputs()
@@ -167,14 +183,29 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
                            prompt_format=bench.prompt_format)
         with run.edit.applied(model):
-            metrics = evaluate_loaded(model, tokenizer, spec)
+            metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
                     "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
                     "logit_drop": run.edit.metadata.get("logit_drop"),
                     "retain_budget": run.edit.metadata.get("retain_budget"),
-                    "forget_target": run.edit.metadata.get("forget_target"), "metrics": metrics})
+                    "forget_target": run.edit.metadata.get("forget_target"), "metrics": metrics,
+                    "quantized": attacked})
         log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(applicable), row.name, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
                            if isinstance(metrics.get(k), float)))
-    return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table), "before": before,
-            "rows": out}
+    return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table),
+            "forget_metric": bench.metrics.forget, "attacks": list(quants), "before": before, "rows": out}
+
+
+def attack_specs(names: Sequence[str]) -> dict:
+    """name -> QuantSpec for the attacks in `names` that run here; a name no machine knows is a DataError."""
+    known = available_quantizers(available=True)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise DataError(f"no quantization attack named {', '.join(map(repr, unknown))}; attacks: "
+                        f"{', '.join(known)}")
+    here = available_quantizers()
+    missing = [n for n in names if n not in here]
+    if missing:
+        log.warning("not run (bitsandbytes unavailable): %s", ", ".join(missing))
+    return {n: here[n] for n in dict.fromkeys(names) if n in here}

@@ -37,7 +37,10 @@ log = logging.getLogger("grom.bench")
 DEFAULT_METHODS = ("grom", "ga:sum", "npo:sum", "npo:sago", "simnpo:sum", "simnpo:sago")
 
 
-def _evaluate(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: str) -> tuple[dict, dict]:
+def evaluate_with_attacks(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: str
+                          ) -> tuple[dict, dict]:
+    """The model's metrics, and after each quantization round trip of `quants` (name -> QuantSpec) its metrics
+    with "recovery_<forget_key>" (after the round trip minus before it)."""
     metrics = evaluate_loaded(model, tokenizer, spec)
     out = {}
     for name, q in quants.items():
@@ -171,7 +174,7 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     available = quantizers()
     quants = {n: available[n] for n in quant_names if n in available}
     model, tokenizer = load_for_edit(str(built.models["target"]))  # a tied LM head is untied (a no-op)
-    before, _ = _evaluate(model, tokenizer, spec, {}, bench.metrics.forget)
+    before, _ = evaluate_with_attacks(model, tokenizer, spec, {}, bench.metrics.forget)
     rows = []
     for method, params, label in entries:
         store = MemoryStatsStore()
@@ -184,7 +187,7 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
                 run = method.run(model, tokenizer, forget, retain, params, context)
             costs.append((warm, True))
         with run.edit.applied(model):
-            metrics, qmetrics = _evaluate(model, tokenizer, spec, quants, bench.metrics.forget)
+            metrics, qmetrics = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
         for measured, cached in costs:
             rows.append({"method": method.name, "label": label, "compose": getattr(params, "compose", None),
                          "cached_stats": cached, "seconds": measured.seconds, "peak_rss_mb": measured.peak_rss_mb,

@@ -226,8 +226,9 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list; methods: " +
                                               ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
                                                                             "simnpo:sum,simnpo:sago"),
-    quantizers: Annotated[str, typer.Option(help="Comma-separated: fp4, nf4, int8, rtn4, gguf_q4_1, "
-                                                 "fp4_head_kept.")] = "fp4,nf4",
+    quantizers: Annotated[str | None, typer.Option(help="Comma-separated attacks: fp4, nf4, int8, rtn4, gguf_q4_1, "
+                                                        "fp4_head_kept (default fp4,nf4; with --ablation, none).")
+                          ] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Epochs of the gradient methods (default: the "
                                                           "benchmark's recipe, TOFU's 10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
@@ -249,13 +250,13 @@ def bench(
     own = json_objects(params, "--params")
     if ablation:
         chosen = tuple(r.strip() for r in rows.split(",") if r.strip()) if rows else None
-        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant, own)
+        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant, own, _names(quantizers or ""))
         return
     if own or rows:
         raise DataError("--rows and --params choose ablation rows: add --ablation (the methods' rows take each "
                         "benchmark's own parameters)")
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
-                       tuple(q.strip() for q in quantizers.split(",") if q.strip()),
+                       _names("fp4,nf4" if quantizers is None else quantizers),
                        {"epochs": epochs} if epochs else None, authors=authors, config=variant)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
     quants, columns = result["quantizers"], result["columns"]
@@ -276,25 +277,34 @@ def bench(
     emit(result, as_json, table)
 
 
+def _names(listed: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in listed.split(",") if n.strip())
+
+
 def _ablation_table(home: str | None, benchmark: str, split: str | None, authors: int | None, as_json: bool,
                     rows: tuple[str, ...] | None = None, config: Mapping[str, object] | None = None,
-                    custom: Sequence[Mapping[str, object]] = ()) -> None:
+                    custom: Sequence[Mapping[str, object]] = (), attacks: tuple[str, ...] = ()) -> None:
     from flows.ablation import run_ablation
 
-    result = run_ablation(home, benchmark, split, rows, authors=authors, config=config, custom=custom)
+    result = run_ablation(home, benchmark, split, rows, authors=authors, config=config, custom=custom,
+                          attacks=attacks)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
+    recovered = f"recovery_{result['forget_metric']}"
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
     for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)",
-                   "forget target scale (probability)", *columns):
+                   "forget target scale (probability)", *columns,
+                   *[f"{q} {result['forget_metric']} recovery" for q in result["attacks"]]):
         table.add_column(column)
-    table.add_row("unedited", "", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns])
+    table.add_row("unedited", "", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns],
+                  *["" for _ in result["attacks"]])
     for row in result["rows"]:
         drop, fit, aim = row["logit_drop"] or {}, row.get("retain_budget"), row.get("forget_target")
         drops = f"{drop['asked_mean']:.3g} / {drop['achieved_mean']:.3g}" if drop else ""
         budget = f"{fit['scale']:.3g} ({fit['damage']:.3f})" if fit else ""
         aimed = f"{aim['scale']:.3g} ({aim['probability']:.3g})" if aim else ""
         table.add_row(row["name"], f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops, budget, aimed,
-                      *[fmt(row["metrics"].get(k)) for k in columns])
+                      *[fmt(row["metrics"].get(k)) for k in columns],
+                      *[fmt(row["quantized"][q].get(recovered)) for q in result["attacks"]])
     emit(result, as_json, table)
 
 

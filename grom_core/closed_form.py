@@ -51,13 +51,14 @@ from grom_core.params import Params, ParamsError
 from grom_core.profiling import Timings
 from grom_core.quantization import QuantSpec, quantized, quantizers
 from grom_core.readout import NllProbe
-from grom_core.scoring import answer_nll
+from grom_core.scoring import answer_nll, gold_margins
 from grom_core.sentence_drops import sentence_drops
 from grom_core.solver import solve_factors
 from grom_core.statistics import GramStats, StatsComputer, StatsStore, accumulate
 from grom_core.targets import (
     TokenDrops,
     lm_head_suppression,
+    margin_beta,
     representation_corruption,
     residual_suppression,
     specificity_weights,
@@ -94,7 +95,13 @@ class GromParams(Params):
             grom_core.sentence_drops; needs answer keys), or "auto": "counterfactual"
             where the forget data names subjects and the keys are the answers, else "sentence" where it holds
             texts (passages that can be memorised word for word), else "specificity".
-        beta: total logit drop asked for at a forget position with specificity 1 (nats of log-odds).
+        beta: specificity drops: the logit drop asked for at a forget position with specificity 1 (nats of
+            log-odds). None: `beta_margins` times the mean margin of the forget answers' specific tokens (each gold
+            token's logit over the best other token's, measured by one forward pass over the forget rows; see
+            targets.margin_beta): about 40 on the tiny models, 16 on SmolLM2's capitals, where 40 takes
+            neighbouring facts along (README, minirwku).
+        beta_margins: beta in units of that mean margin, when `beta` is None. 4.5 keeps the drop the tiny models
+            were tuned at (a memorised answer's tokens lead by about 9 nats there).
         gain: counterfactual and sentence drops: multiple of the gap asked for (> 1 so that phrasings the edit
             never sees move).
         counterfactuals: counterfactual drops: invented names per example (their predictions are averaged).
@@ -157,7 +164,8 @@ class GromParams(Params):
     edit_lm_head: bool = True
     target: str = "suppress"
     drops: str = "auto"
-    beta: float = 40.0
+    beta: float | None = None
+    beta_margins: float = 4.5
     gain: float = 6.0
     counterfactuals: int = 4
     rename: str = "first"
@@ -211,8 +219,11 @@ class GromParams(Params):
                                   f"got '{self.forget_target_attack}'")
         if self.strategy not in ("sequential", "parallel"):
             raise ParamsError(f"strategy must be 'sequential' or 'parallel', got '{self.strategy}'")
-        if self.beta <= 0 or self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
-            raise ParamsError("need beta > 0, w_forget > 0, w_retain >= 0 and relative_ridge > 0")
+        if (self.beta is not None and self.beta <= 0) or self.w_forget <= 0 or self.w_retain < 0 \
+                or self.relative_ridge <= 0:
+            raise ParamsError("need beta > 0 (or None), w_forget > 0, w_retain >= 0 and relative_ridge > 0")
+        if self.beta_margins <= 0:
+            raise ParamsError(f"need beta_margins > 0, got {self.beta_margins}")
         if self.band_width < 1 or not 0 < self.late_fraction <= 1:
             raise ParamsError("need band_width >= 1 and 0 < late_fraction <= 1")
         if self.batch_size < 1 or self.max_length < 2:
@@ -300,6 +311,8 @@ class Prepared:
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
     # the forget rows, every answer token scored (forget_target, and comparing placements under a budget)
     forget_sample: list[Batch] | None = None
+    beta: float | None = None  # specificity drops: the logit drop at specificity 1, params.beta or measured
+    mean_margin: float | None = None  # where beta was measured: the forget answers' mean margin (nats)
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -343,10 +356,20 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     forget_sample = None
     if params.forget_target is not None or (retain_sample is not None and drops_kind == "specificity"):
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
+    beta, mean_margin = params.beta, None
+    if drops_kind == "specificity" and params.target == "suppress" and beta is None:
+        answers = forget_sample or make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
+        beta, mean_margin = margin_beta(*gold_margins(model, answers), weights, params.beta_margins)
+        log.info("specificity drops: beta %.2f = %.3g x the forget answers' mean margin %.3f nats", beta,
+                 params.beta_margins, mean_margin)
+        if beta == 0.0:
+            log.warning("the model prefers none of the forget answers' specific tokens over the others (mean margin "
+                        "0): there is nothing to lower, and the edit is zero; set beta to lower them anyway")
     retain_digest = data_digest(ex.record() for ex in retain_ex)
     return Prepared(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
-                    retain_sample=retain_sample, drop_groups=groups, forget_sample=forget_sample,
+                    retain_sample=retain_sample, drop_groups=groups, forget_sample=forget_sample, beta=beta,
+                    mean_margin=mean_margin,
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
@@ -539,7 +562,7 @@ def solve_modules(model: nn.Module, prep: Prepared, layers: list[int], modules: 
                   stats: dict[str, GramStats], params: GromParams) -> Solved:
     """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
-                               prep.drops, prep.drop_groups)
+                               prep.drops, prep.drop_groups, prep.beta)
     deltas, records = solver.solve(modules)
     return Solved(deltas=deltas, records=records, achieved=solver.achieved)
 
@@ -572,6 +595,7 @@ def solve(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str
                           "layer_scores": scores.as_rows() if scores is not None else None,
                           "logit_drop": solved.achieved,  # as solved, before a retain budget's scale
                           "drops": prep.drops_kind,
+                          "beta": prep.beta, "mean_margin": prep.mean_margin,  # specificity drops
                           "retain_budget": dataclasses.asdict(fit) if fit else None,
                           "forget_target": dataclasses.asdict(enough) if enough else None})
     return edit, records
@@ -743,9 +767,11 @@ class _SequentialSolver:
 
     def __init__(self, model, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
                  params: GromParams, stats: dict[str, GramStats], layers: list[int],
-                 drops: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> None:
+                 drops: torch.Tensor | None = None, groups: torch.Tensor | None = None,
+                 beta: float | None = None) -> None:
         self.model, self.adapter, self.batches = model, adapter, forget_batches
         self.drops, self.groups = drops, groups
+        self.beta = params.beta if beta is None else beta
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
         self.achieved: dict[str, float] = {}
 
@@ -766,7 +792,9 @@ class _SequentialSolver:
         params, adapter = self.params, self.adapter
         base = self._collect(modules, None)
         tokens = base.next_tokens.cpu()
-        drops = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, params.beta)
+        if self.drops is None and self.beta is None and params.target == "suppress":
+            raise ValueError("specificity drops need beta: set GromParams.beta or let prepare() measure it")
+        drops = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, self.beta or 0.0)
         if drops.numel() != tokens.numel():  # the drops were computed on other batches than the keys
             raise RuntimeError(f"{drops.numel()} drops for {tokens.numel()} forget positions")
         if self.groups is not None:

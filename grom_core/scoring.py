@@ -78,6 +78,28 @@ def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "scor
     return TokenScores(out)
 
 
+@torch.no_grad()
+def gold_margins(model: nn.Module, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """At every supervised position, in batch order: the gold next token (s,) long and its margin (s,) float64,
+    its logit minus the largest logit of any other token (nats; negative where the model prefers another token).
+    The margin is what a logit drop must exceed to take the token off the top."""
+    tokens, margins = [], []
+    with evaluating(model):
+        for batch in batches:
+            batch = batch.to(model_device(model))
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            labels = batch.labels[:, 1:]
+            mask = labels != IGNORE_INDEX
+            picked, gold = logits[:, :-1][mask], labels[mask]
+            own = picked.gather(-1, gold[:, None]).squeeze(-1)
+            others = picked.scatter(-1, gold[:, None], float("-inf")).amax(dim=-1)
+            tokens.append(gold.cpu())
+            margins.append((own.double() - others.double()).cpu())
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+    return torch.cat(tokens), torch.cat(margins)
+
+
 def answer_nll(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
     """(N,) mean token NLL (nats) over each example's supervised tokens, float64, in example order."""
     return token_logprobs(model, batches).mean_nll

@@ -154,6 +154,30 @@ def residual_suppression(drops: TokenDrops, unembedding: torch.Tensor, norm_scal
     return out
 
 
+def margin_beta(tokens: torch.Tensor, margins: torch.Tensor, weights: torch.Tensor, per_margin: float
+                ) -> tuple[float, float]:
+    """(beta, mean margin): `per_margin` times the mean margin of the forget answers' specific tokens.
+
+    A fixed number of nats means little across models: a tiny model that memorised its answers prefers each gold
+    token over the next by about 9 nats, SmolLM2 the capitals it knows by about 3.6, and a drop sized for the first
+    takes the second's neighbouring facts with it (README, minirwku). Measured in the model's own margins, the same
+    setting asks each of them for as much as its confidence in these answers.
+
+    Args:
+        tokens: (s,) gold next token at each forget answer position; margins: (s,) its logit minus the best other
+            token's (scoring.gold_margins), nats.
+        weights: (vocab,) specificity a(j); only positions with a(y_t) > 0 (those the drops act on) are averaged,
+            each margin clamped at 0 (a token the model does not prefer carries no confidence to undo).
+        per_margin: beta in units of that mean margin.
+    Returns beta = per_margin * mean margin (0 where no position has a specific token: nothing to lower).
+    """
+    specific = weights[tokens.cpu()] > 0
+    if not bool(specific.any()):
+        return 0.0, 0.0
+    mean = float(margins[specific].clamp_min(0).mean())
+    return per_margin * mean, mean
+
+
 def suppression_drops(next_tokens: torch.Tensor, weights: torch.Tensor, beta: float) -> torch.Tensor:
     """(s,) the logit drop beta * a(y_t) asked for at each forget position."""
     return beta * weights[next_tokens.cpu()]

@@ -47,8 +47,14 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "gain x2",
                                                             "no retain budget", "keys at answers",
                                                             "drops by position"), authors=10,
-                          custom=[{"relative_ridge": 0.01}])
+                          custom=[{"relative_ridge": 0.01}], attacks=("rtn4",))
     rows = {r["name"]: r for r in result["rows"]}
+    # every row is read again after the attack: its recovery is the forget metric after the round trip minus before
+    assert result["attacks"] == ["rtn4"] and result["forget_metric"] == "forget_rougeL_recall"
+    for row in rows.values():
+        attacked = row["quantized"]["rtn4"]
+        assert attacked["recovery_forget_rougeL_recall"] == pytest.approx(
+            attacked["forget_rougeL_recall"] - row["metrics"]["forget_rougeL_recall"])
     assert list(rows) == ["benchmark parameters", "library defaults", "keys at answers", "drops by position",
                           "gain x2", "no retain budget", '{"relative_ridge": 0.01}']  # the table's order, own last
     assert rows["library defaults"]["params"] == GromParams(influence=False).to_dict()
@@ -83,6 +89,8 @@ def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"relative_ridge": "big"}])
     with pytest.raises(DataError, match="need beta > 0"):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"beta": -1}])
+    with pytest.raises(DataError, match="no quantization attack named 'q2'; attacks: fp4, nf4"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, attacks=("gguf_q4_1", "q2"))
     assert not (tmp_path / "ws").exists()
 
 

@@ -81,6 +81,8 @@ def test_bad_option_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "no parameter 'ridge'" in done.stderr and "Traceback" not in done.stderr
     done = grom("bench", "--ablation", "--params", '[1, 2]', "--home", str(tmp_path))
     assert done.returncode == 2 and "a list of objects" in done.stderr and "Traceback" not in done.stderr
+    done = grom("bench", "--ablation", "--quantizers", "rtn4,q3", "--home", str(tmp_path))
+    assert done.returncode == 2 and "no quantization attack named 'q3'" in done.stderr
     assert not (tmp_path / "benchmarks").exists()
 
 

@@ -7,13 +7,13 @@ from conftest import FORGET, RETAIN
 import grom_core.closed_form as closed_form
 from grom_core.adapter import ModelAdapter
 from grom_core.capture import collect
-from grom_core.closed_form import GromParams, compute_edit, run_grom
+from grom_core.closed_form import GromParams, compute_edit, prepare, run_grom
 from grom_core.data import make_batches
 from grom_core.edit import Edit
 from grom_core.errors import DataError, FingerprintMismatchError, ParamsError, UnsupportedArchitectureError
 from grom_core.fingerprint import weights_fingerprint
 from grom_core.influence import leave_one_out
-from grom_core.scoring import answer_nll, answer_probability
+from grom_core.scoring import answer_nll, answer_probability, gold_margins
 from grom_core.statistics import GramStats, MemoryStatsStore
 
 
@@ -156,7 +156,12 @@ def test_gpt2_with_a_tied_head_must_be_untied_explicitly(tiny_gpt2, tokenizer):
     with pytest.raises(UnsupportedArchitectureError, match="untie_lm_head"):
         run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8])
     ModelAdapter.for_model(tiny_gpt2).untie_lm_head()
-    run = run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8], GromParams(band_width=1))
+    # an untrained model knows none of the answers, so the measured beta would be 0 (nothing to lower): set it
+    run = run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8], GromParams(band_width=1, beta=40.0))
+    assert run.edit.metadata["beta"] == 40.0
+    unknown = run_grom(tiny_gpt2, tokenizer, FORGET[:4], RETAIN[:8], GromParams(band_width=1, influence=False)).edit
+    assert unknown.metadata["mean_margin"] == 0.0 and unknown.metadata["beta"] == 0.0
+    assert all(float(d.full().abs().max()) == 0.0 for d in unknown.deltas.values())
     before = {k: v.clone() for k, v in tiny_gpt2.state_dict().items()}
     with run.edit.applied(tiny_gpt2):
         assert not torch.equal(tiny_gpt2.lm_head.weight, before["lm_head.weight"])
@@ -206,6 +211,28 @@ def test_the_lm_head_alone_and_the_budget_on_specificity_drops(trained):
     assert free.metadata["retain_budget"] is None and "placement" not in free.metadata  # nothing to weigh at
 
 
+def test_beta_is_measured_in_the_forget_answers_margins_unless_set(trained):
+    """Specificity drops with beta None: beta_margins times the mean margin of the forget answers' specific tokens,
+    recorded on the edit; the same edit as with that beta set by hand."""
+    model, tokenizer = trained
+    params = GromParams(layers=(2, 3), retain_budget=None, influence=False)
+    measured = run_grom(model, tokenizer, FORGET, RETAIN, params).edit
+    beta, margin = measured.metadata["beta"], measured.metadata["mean_margin"]
+    tokens, margins = gold_margins(model, make_batches(tokenizer, FORGET, 16))
+    weights = prepare(model, tokenizer, FORGET, RETAIN, params).weights
+    specific = weights[tokens] > 0
+    assert margin == pytest.approx(float(margins[specific].clamp_min(0).mean()))
+    assert beta == pytest.approx(4.5 * margin) and margin > 1
+    by_hand = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(beta=beta)).edit
+    assert by_hand.metadata["beta"] == beta and by_hand.metadata["mean_margin"] is None
+    for name in measured.modules:
+        assert torch.equal(measured.deltas[name].full(), by_hand.deltas[name].full())
+    double = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(beta_margins=9.0)).edit
+    assert double.metadata["beta"] == pytest.approx(2 * beta)
+    with pytest.raises(ParamsError, match="beta_margins > 0"):
+        GromParams(beta_margins=0).validate()
+
+
 def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):
     """A stated forget level: the smallest scale on the grid (1/32 steps) at which the forget answers' probability
     is at most the target, found by bisection; less collateral than the full edit."""
@@ -225,7 +252,8 @@ def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):
                     float(answer_probability(model, tokenizer, RETAIN).mean()))
 
     forget_at, retain_at = forget_and_retain(aimed)
-    assert forget_at == pytest.approx(fit["probability"], abs=1e-9)
+    # read from the LM head's inputs (grom_core.readout): the forward pass's value to float32 rounding
+    assert forget_at == pytest.approx(fit["probability"], rel=1e-6)
     one_step_less = Edit(deltas={n: d.scaled(1 - 1 / (32 * fit["scale"])) for n, d in aimed.deltas.items()},
                          base_fingerprint=fingerprint)
     assert forget_and_retain(one_step_less)[0] > 0.3  # the smallest such scale: one grid step less misses it

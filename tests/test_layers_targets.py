@@ -9,6 +9,7 @@ from grom_core.layers import choose_band, score_layers
 from grom_core.targets import (
     TokenDrops,
     lm_head_suppression,
+    margin_beta,
     random_direction,
     representation_corruption,
     residual_suppression,
@@ -24,6 +25,15 @@ def test_specificity_weights_by_hand():
     assert sharp.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0])  # (4/7)^2 = 0.33 < 0.5
     smooth = specificity_weights([1], [], vocab_size=2, smoothing=1.0)
     assert smooth[1] == pytest.approx(1 / (1 + 0.5))
+
+
+def test_margin_beta_by_hand():
+    weights = torch.tensor([0.0, 1.0, 0.25, 0.0], dtype=torch.float64)
+    tokens = torch.tensor([1, 0, 2, 1, 3])
+    margins = torch.tensor([6.0, 50.0, -2.0, 3.0, 9.0], dtype=torch.float64)
+    # positions 0, 2 and 3 have a specific token; the negative margin counts as 0: mean (6 + 0 + 3) / 3 = 3
+    assert margin_beta(tokens, margins, weights, 4.5) == (pytest.approx(13.5), pytest.approx(3.0))
+    assert margin_beta(torch.tensor([0, 3]), margins[:2], weights, 4.5) == (0.0, 0.0)  # nothing specific
 
 
 def test_lm_head_suppression_by_hand():

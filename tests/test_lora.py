@@ -21,7 +21,7 @@ def logits(model, batch):
 
 
 def test_a_grom_edit_served_by_peft_equals_the_applied_edit(tiny_llama, tokenizer, tmp_path):
-    run = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1, 2), influence=False))
+    run = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1, 2), beta=40.0, influence=False))
     assert run.edit.deltas["lm_head"].row_index is not None  # the head's delta is row-sparse
     batch = make_batches(tokenizer, FORGET + RETAIN, 64)[0]
     with run.edit.applied(tiny_llama):
@@ -55,7 +55,7 @@ def test_grom_model_export_lora_from_the_command_line(tiny_llama, tokenizer, tmp
     import subprocess
     import sys
 
-    edit = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1,), influence=False)).edit
+    edit = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1,), beta=40.0, influence=False)).edit
     edit.save(tmp_path / "ws" / "edits" / edit.edit_id)
 
     def grom(*args):

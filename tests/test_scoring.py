@@ -5,7 +5,7 @@ import torch
 from conftest import FORGET
 
 from grom_core.data import IGNORE_INDEX, make_batches
-from grom_core.scoring import gold_logprobs, token_logprobs
+from grom_core.scoring import gold_logprobs, gold_margins, token_logprobs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -40,3 +40,25 @@ def test_token_logprobs_are_the_supervised_tokens_in_order(trained):
                 want.append(logp[keep, labels[keep]])
     assert [t.numel() for t in got] == [t.numel() for t in want] and all(t.numel() for t in got)
     assert all(torch.allclose(g, w, rtol=0, atol=1e-6) for g, w in zip(got, want, strict=True))
+
+
+def test_gold_margins_are_the_gold_logit_over_the_best_other_by_hand(trained):
+    model, tokenizer = trained
+    batches = make_batches(tokenizer, FORGET[:5], 2)
+    tokens, margins = gold_margins(model, batches)
+    want_tokens, want = [], []
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
+            for row in range(batch.input_ids.shape[0]):
+                for t, label in enumerate(batch.labels[row, 1:].tolist()):
+                    if label == IGNORE_INDEX:
+                        continue
+                    z = logits[row, t].clone()
+                    gold = float(z[label])
+                    z[label] = float("-inf")
+                    want_tokens.append(label)
+                    want.append(gold - float(z.max()))
+    assert tokens.tolist() == want_tokens and margins.dtype == torch.float64
+    assert torch.allclose(margins, torch.tensor(want, dtype=torch.float64), atol=1e-4)
+    assert float(margins.mean()) > 1  # the tiny model memorised these answers: their tokens lead
