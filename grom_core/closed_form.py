@@ -69,6 +69,10 @@ from grom_core.targets import (
 
 log = logging.getLogger(__name__)
 
+# beta where `beta` is None and the forget keys are at the subjects: their drop is asked of the residual stream at the
+# subject's last token, far from the answer position whose margin `margin_beta` reads; measured on minizsre (README)
+SUBJECT_KEYS_BETA = 40.0
+
 
 @dataclass(frozen=True)
 class GromParams(Params):
@@ -99,7 +103,9 @@ class GromParams(Params):
             log-odds). None: `beta_margins` times the mean margin of the forget answers' specific tokens (each gold
             token's logit over the best other token's, measured by one forward pass over the forget rows; see
             targets.margin_beta): about 40 on the tiny models, 16 on SmolLM2's capitals, where 40 takes
-            neighbouring facts along (README, minirwku).
+            neighbouring facts along (README, minirwku). At subject keys (`keys`) None is SUBJECT_KEYS_BETA, 40:
+            the margin is read where the answer is, and a drop asked at the subject, layers before it, with the
+            measured beta (11 on minizsre) forgets half the facts that 40 does (README, minizsre).
         beta_margins: beta in units of that mean margin, when `beta` is None. 4.5 keeps the drop the tiny models
             were tuned at (a memorised answer's tokens lead by about 9 nats there).
         gain: counterfactual and sentence drops: multiple of the gap asked for (> 1 so that phrasings the edit
@@ -357,6 +363,8 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
     if params.forget_target is not None or (retain_sample is not None and drops_kind == "specificity"):
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     beta, mean_margin = params.beta, None
+    if beta is None and keys != "answer":
+        beta = SUBJECT_KEYS_BETA  # asked of the residual at the subject, not against the answer's own margin
     if drops_kind == "specificity" and params.target == "suppress" and beta is None:
         answers = forget_sample or make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
         beta, mean_margin = margin_beta(*gold_margins(model, answers), weights, params.beta_margins)

@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import pytest
@@ -231,6 +232,11 @@ def test_beta_is_measured_in_the_forget_answers_margins_unless_set(trained):
     assert double.metadata["beta"] == pytest.approx(2 * beta)
     with pytest.raises(ParamsError, match="beta_margins > 0"):
         GromParams(beta_margins=0).validate()
+    # keyed at the subjects the drop is asked far from the answer whose margin is read: the fixed beta there
+    named = [dataclasses.replace(ex, subject=" ".join(ex.answer.split()[:2])) for ex in FORGET
+             if " ".join(ex.answer.split()[:2]) in ex.question]
+    at_subjects = prepare(model, tokenizer, named, RETAIN, params.replace(keys="subject"))
+    assert at_subjects.beta == closed_form.SUBJECT_KEYS_BETA == 40.0 and at_subjects.mean_margin is None
 
 
 def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):
