@@ -779,7 +779,7 @@ class _SequentialSolver:
                  beta: float | None = None) -> None:
         self.model, self.adapter, self.batches = model, adapter, forget_batches
         self.drops, self.groups = drops, groups
-        self.beta = params.beta if beta is None else beta
+        self.beta = beta  # prepare() resolved it (params.beta or measured); None where the drops are measured
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
         self.achieved: dict[str, float] = {}
 
@@ -800,8 +800,6 @@ class _SequentialSolver:
         params, adapter = self.params, self.adapter
         base = self._collect(modules, None)
         tokens = base.next_tokens.cpu()
-        if self.drops is None and self.beta is None and params.target == "suppress":
-            raise ValueError("specificity drops need beta: set GromParams.beta or let prepare() measure it")
         drops = self.drops if self.drops is not None else suppression_drops(tokens, self.weights, self.beta or 0.0)
         if drops.numel() != tokens.numel():  # the drops were computed on other batches than the keys
             raise RuntimeError(f"{drops.numel()} drops for {tokens.numel()} forget positions")
