@@ -465,10 +465,10 @@ def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple
 
 def head_alone_competes(prep: Prepared, params: GromParams, layers: Sequence[int]) -> bool:
     """Whether the LM head alone is solved beside the attributed band: specificity drops at the answers, the
-    layers left to the library, and a retain budget to weigh both placements at (see `compare_placements`)."""
+    layers left to the library, and a retain budget to weigh both placements at (see `compare_placements`). A
+    forget target then scales the kept placement down from its budget's scale (`solve`)."""
     return (params.layers is None and bool(layers) and prep.drops_kind == "specificity" and params.edit_lm_head
-            and params.target == "suppress" and params.forget_target is None and prep.retain_sample is not None
-            and prep.forget_sample is not None)
+            and params.target == "suppress" and prep.retain_sample is not None and prep.forget_sample is not None)
 
 
 def compare_placements(model: nn.Module, prep: Prepared, params: GromParams, band: Solved, alone: Solved

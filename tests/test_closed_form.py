@@ -267,6 +267,23 @@ def test_forget_target_scales_the_edit_to_the_smallest_that_reaches_it(trained):
     assert forget_full < forget_at and retain_at >= retain_full  # the surplus the target leaves out
 
 
+def test_a_forget_target_scales_the_placement_the_budget_kept(trained):
+    """With the layers left to the library both placements still compete under a forget target: the kept one
+    (weighed as without a target) is scaled down from its budget's scale to the target."""
+    model, tokenizer = trained
+    params = GromParams(influence=False, retain_budget=1e-3)
+    budgeted = run_grom(model, tokenizer, FORGET, RETAIN, params).edit
+    budget_scale = budgeted.metadata["retain_budget"]["scale"]
+    aimed = run_grom(model, tokenizer, FORGET, RETAIN, params.replace(forget_target=0.9)).edit
+    assert aimed.metadata["placement"] == budgeted.metadata["placement"] and aimed.modules == budgeted.modules
+    fit = aimed.metadata["forget_target"]
+    assert fit["reached"] and fit["probability"] <= 0.9 < float(answer_probability(model, tokenizer, FORGET).mean())
+    assert 0 < fit["scale"] < budget_scale  # less than the retain budget allows, which forgets more
+    with aimed.applied(model):
+        assert float(answer_probability(model, tokenizer, FORGET).mean()) == pytest.approx(fit["probability"],
+                                                                                         rel=1e-5)
+
+
 def test_an_unreachable_forget_target_keeps_the_full_edit(trained):
     model, tokenizer = trained
     params = GromParams(layers=(1, 2), influence=False)
