@@ -48,7 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    built = build_benchmark("minitofu", None, str(Workspace.resolve(args.home).root), args.split)  # its retain model's reference too
+    # built with its memorisation check: the retain model's reference truth ratios
+    built = build_benchmark("minitofu", None, str(Workspace.resolve(args.home).root), args.split)
     reference = read_tofu_log(reference_path(built)).forget_truth_ratios
     with open(built.splits[args.split], encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
