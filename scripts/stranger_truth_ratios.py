@@ -1,5 +1,5 @@
 """Do the counterfactual drops' strangers stand in for a model that never read the forget authors? (the README's
-"What a stranger is told").
+"What the strangers are worth, measured without an edit").
 
     python scripts/stranger_truth_ratios.py --split forget10     # in the workspace that holds the built benchmark
 
