@@ -11,6 +11,7 @@ from grom_core.benchmarks.registry import build, get_benchmark
 from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig
 from grom_core.loading import load_model
+from grom_core.metrics import muse as muse_metrics
 from tasks.datafiles import read_benchmark_file, read_examples, read_rows, tofu_splits_from_dir
 from tasks.lake import rows_table
 
@@ -101,6 +102,9 @@ def test_a_variant_is_evaluated_on_its_own_data(trained_dir, tmp_path):
     variant = {"shared_names": False, "per_part": 2}
     result = evaluate_model(str(trained_dir), "minimuse", home=str(tmp_path), config=variant, max_new_tokens=8)
     assert result["n"]["forget"] == 4 and result["n"]["forget_qa"] == 12  # 2 x per_part articles, 3 questions each
+    scores = result["per_question"]["min_k"]  # each text's Min-K% score, what the membership AUC ranks
+    assert len(scores["forget"]) == 4 and len(scores["holdout"]) == 4 and max(scores["forget"]) < 0
+    assert result["metrics"]["mia_auc"] == muse_metrics.auc(scores["forget"], scores["holdout"])
     built = build_benchmark("minimuse", None, str(tmp_path), train_models=False,
                             config=sized_config("minimuse", None, variant))
     assert [p.name for p in (tmp_path / "benchmarks").iterdir()] == [built.root.name]  # only the variant's build

@@ -177,7 +177,9 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
              prompt_tokens_fraction: float = 0.25) -> dict:
     """VerbMem, KnowMem (forget), Utility Preservation (KnowMem on retain), PrivLeak (needs the retain model's AUC).
 
-    Returns {"metrics": ..., "per_question": {"auc": the membership AUC, usable as a reference}, "n": ...}.
+    Returns {"metrics": ..., "per_question": {"auc": the membership AUC, usable as a reference, "verbmem": per
+    forget text, "min_k": {"forget": [...], "holdout": [...]}, each text's Min-K% score (mean log-prob, nats, of
+    its 40% least likely tokens)}, "n": ...}.
     """
     from grom_core.generation import greedy_generate
     from grom_core.scoring import continuation_scores
@@ -203,7 +205,8 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
                                      desc="Min-K%")
         return [muse.min_k_score(lp, 0.4) for lp in scores.logprobs]
 
-    auc = muse.auc(min_k(forget), min_k(holdout))
+    members, non_members = min_k(forget), min_k(holdout)
+    auc = muse.auc(members, non_members)
     metrics = {"verbmem_rougeL_f1": float(verbmem.mean()), "knowmem_forget_rougeL_f1": float(know_forget.mean()),
                "utility_preservation_rougeL_f1": float(know_retain.mean()), "mia_auc": auc}
     if reference_auc is None:
@@ -211,5 +214,6 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
         metrics["privleak_unavailable"] = "no retain-model reference AUC: pass --retain-reference"
     else:
         metrics["privleak"] = muse.priv_leak(auc, reference_auc)
-    return {"metrics": metrics, "per_question": {"auc": auc, "verbmem": verbmem.tolist()},
+    return {"metrics": metrics, "per_question": {"auc": auc, "verbmem": verbmem.tolist(),
+                                                 "min_k": {"forget": members, "holdout": non_members}},
             "n": {"forget": len(forget), "holdout": len(holdout), "forget_qa": len(know_forget)}}
