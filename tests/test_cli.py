@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ATTACK, HAS_BITSANDBYTES
+from conftest import ATTACK, HAS_BITSANDBYTES, run_grom
 
 pytestmark = pytest.mark.e2e  # the end-to-end tier: real flows, registry, catalog and CLI
 
@@ -61,27 +61,35 @@ def test_workspace_that_is_a_file_is_a_one_line_error(tmp_path):
     assert "not writable" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_bad_option_is_a_usage_error(tmp_path):
-    done = grom("demo", "--authors", "2", "--home", str(tmp_path))
+def test_bad_option_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """Usage errors exit 2 with one line and no traceback, before anything is built (in this process: ten CLI
+    starts would cost a minute; test_demo_json runs the console script itself)."""
+
+    def in_process(*args):
+        code, out, err = run_grom(capsys, monkeypatch, *args)
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    done = in_process("demo", "--authors", "2", "--home", str(tmp_path))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    done = grom("demo", "--split", "forget50", "--home", str(tmp_path))
+    done = in_process("demo", "--split", "forget50", "--home", str(tmp_path))
     assert done.returncode == 2 and "forget10" in done.stderr and "Traceback" not in done.stderr
-    done = grom("bench", "--benchmark", "minimuse", "--config", '{"shared_name": false}', "--home", str(tmp_path))
+    done = in_process("bench", "--benchmark", "minimuse", "--config", '{"shared_name": false}', "--home", str(tmp_path))
     assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "benchmarks").exists()  # refused before anything was built
-    done = grom("benchmark", "build", "minimuse", "--config", '{"per_part": "2"}', "--home", str(tmp_path))
+    done = in_process("benchmark", "build", "minimuse", "--config", '{"per_part": "2"}', "--home", str(tmp_path))
     assert done.returncode == 2 and "per_part must be int" in done.stderr and "Traceback" not in done.stderr
-    done = grom("evaluate", "--benchmark", "minimuse", "--model", str(tmp_path / "none"), "--config",
+    done = in_process("evaluate", "--benchmark", "minimuse", "--model", str(tmp_path / "none"), "--config",
                 '{"shared_name": false}', "--home", str(tmp_path))
     assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
     # rows of one's own are ablation rows; their parameters are checked before anything is built
-    done = grom("bench", "--params", '{"relative_ridge": 0.1}', "--home", str(tmp_path))
+    done = in_process("bench", "--params", '{"relative_ridge": 0.1}', "--home", str(tmp_path))
     assert done.returncode == 2 and "add --ablation" in done.stderr and "Traceback" not in done.stderr
-    done = grom("bench", "--ablation", "--params", '[{"relative_ridge": 0.1}, {"ridge": 1}]', "--home", str(tmp_path))
+    done = in_process("bench", "--ablation", "--params", '[{"relative_ridge": 0.1}, {"ridge": 1}]', "--home",
+                      str(tmp_path))
     assert done.returncode == 2 and "no parameter 'ridge'" in done.stderr and "Traceback" not in done.stderr
-    done = grom("bench", "--ablation", "--params", '[1, 2]', "--home", str(tmp_path))
+    done = in_process("bench", "--ablation", "--params", '[1, 2]', "--home", str(tmp_path))
     assert done.returncode == 2 and "a list of objects" in done.stderr and "Traceback" not in done.stderr
-    done = grom("bench", "--ablation", "--quantizers", "rtn4,q3", "--home", str(tmp_path))
+    done = in_process("bench", "--ablation", "--quantizers", "rtn4,q3", "--home", str(tmp_path))
     assert done.returncode == 2 and "no quantization attack named 'q3'" in done.stderr
     assert not (tmp_path / "benchmarks").exists()
 
