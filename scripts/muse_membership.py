@@ -48,7 +48,9 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="the grom workspace (default: GROM_HOME or ./.grom)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    rows = [GromParams(**{**row, "influence": False}) for row in json.loads(args.params)]  # refused before the build
+    rows = json.loads(args.params)
+    for row in rows:
+        GromParams(**row).validate()  # a bad row is refused before the build
 
     built = build_benchmark("minimuse", None, str(Workspace.resolve(args.home).root))
     bench = get_benchmark("minimuse")
@@ -61,26 +63,26 @@ def main() -> None:
           "Min-K% forget / holdout |")
     print("|---|---|---|---|---|---|---|---|")
 
-    def show(label: str, model=model, tokenizer=tokenizer, scale: str = "") -> None:
+    def show(label: str, model, tokenizer, scale: str = "") -> None:
         result = bench.evaluate(model, tokenizer, splits, built.split, reference)
         m, scores = result["metrics"], result["per_question"]["min_k"]
         print(f"| {label} | {scale} | {m['verbmem_rougeL_f1']:.3f} | {m['knowmem_forget_rougeL_f1']:.3f} | "
               f"{m['utility_preservation_rougeL_f1']:.3f} | {m['mia_auc']:.3f} | {m['privleak']:.1f} | "
               f"{np.mean(scores['forget']):.2f} / {np.mean(scores['holdout']):.2f} |", flush=True)
 
-    show("unedited")
+    show("unedited", model, tokenizer)
     show("retain model (never read the forget texts)", *load_for_edit(str(built.models["retain"])))
-    for params in rows:
-        changed = {k: v for k, v in params.to_dict().items() if v != getattr(GromParams(), k) and k != "influence"}
+    for row in rows:
+        params = GromParams(**{**row, "influence": False})
         for extra in [0, *args.recombined]:
             more = recombined(retain_texts, extra, seed=params.seed)
             run = run_grom(model, tokenizer, forget, [*retain, *more], params)
-            log.info("%s with %d recombined retain texts: layers %s", changed or "defaults", extra, list(run.layers))
+            log.info("%s with %d recombined retain texts: layers %s", row or "defaults", extra, list(run.layers))
             fit = run.edit.metadata["retain_budget"]
             undo = run.edit.apply(model)
             try:
-                show(f"grom {json.dumps(changed) if changed else 'defaults'}"
-                     + (f", {extra} recombined retain texts" if extra else ""),
+                show(f"grom {json.dumps(row) if row else 'defaults'}"
+                     + (f", {extra} recombined retain texts" if extra else ""), model, tokenizer,
                      scale=f"{fit['scale']:.3g}" if fit else "none")
             finally:
                 run.edit.revert(model, undo)
