@@ -91,6 +91,9 @@ ABLATIONS: tuple[Ablation, ...] = (
              drops=("counterfactual",)),
     Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
              "rest of the name", lambda p, n: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
+    Ablation("answers after their own question only", "each forget answer read after its own question, not also "
+             "after another question of its subject (contexts=0)", lambda p, n: {"contexts": 0}, ("suppress",),
+             drops=("counterfactual",)),
     Ablation("gain x0.5", "half the measured gap's multiple", lambda p, n: {"gain": p.gain / 2}, ("suppress",),
              drops=MEASURED),
     Ablation("gain x2", "twice the measured gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),

@@ -31,7 +31,7 @@ from torch import nn
 
 from grom_core.adapter import ModelAdapter, get_module, weight_out_in
 from grom_core.capture import collect
-from grom_core.counterfactual import counterfactual_drops
+from grom_core.counterfactual import counterfactual_drops, other_questions
 from grom_core.data import (
     Batch,
     Example,
@@ -114,6 +114,12 @@ class GromParams(Params):
         rename: counterfactual drops: which words of a subject the strangers replace: "first" (the first word:
             the drops also lower the rest of the name, which the model completes for the subject it knows) or
             "whole" (every word: only what follows the name is compared); see grom_core.counterfactual.
+        contexts: counterfactual drops: how many of its subject's other questions each forget answer is also read
+            after (the next ones in the data, cyclically; see counterfactual.other_questions), each reading a forget
+            row of its own with its own measured drops. The answer's facts then stand in contexts the model was not
+            trained on, and the subject's bag is asked there too: on minitofu one such context keeps more of the
+            utility sets at the same Forget Quality, more than one less Forget Quality (README). 0: each answer
+            after its own question only.
         scope: counterfactual drops: which tokens each forget position is asked to lower: "position" (its own
             next token, by its own drop) or "subject" (every token that is asked to drop anywhere in the rows of
             its subject, by the largest drop asked of it there: the same bag at every position of a subject, which
@@ -175,6 +181,7 @@ class GromParams(Params):
     gain: float = 6.0
     counterfactuals: int = 4
     rename: str = "first"
+    contexts: int = 1
     scope: str = "subject"
     swaps: int = 16
     min_gap: float = 0.5
@@ -209,8 +216,8 @@ class GromParams(Params):
             raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
         if self.scope not in ("position", "subject"):
             raise ParamsError(f"scope must be 'position' or 'subject', got '{self.scope}'")
-        if self.gain <= 0 or self.counterfactuals < 1 or self.swaps < 0 or self.min_gap < 0:
-            raise ParamsError("need gain > 0, counterfactuals >= 1, swaps >= 0 and min_gap >= 0")
+        if self.gain <= 0 or self.counterfactuals < 1 or self.swaps < 0 or self.min_gap < 0 or self.contexts < 0:
+            raise ParamsError("need gain > 0, counterfactuals >= 1, contexts >= 0, swaps >= 0 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
             raise ParamsError("need retain_budget > 0 (or None) and budget_examples >= 1")
         if self.forget_target is not None and not 0 < self.forget_target < 1:
@@ -398,10 +405,19 @@ def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retai
         everything = [*forget_ex, *retain_ex]
         text = " ".join(str(v) for ex in everything for v in ex.record().values())
         pool = [ex.subject.split(" ", 1)[0] for ex in everything if ex.subject and " " in ex.subject]
-        found = counterfactual_drops(model, tokenizer, forget_ex, forget_batches, fmt, k=params.counterfactuals,
-                                     gain=params.gain, min_gap=params.min_gap, seed=params.seed,
-                                     batch_size=params.batch_size, max_length=params.max_length, avoid=text,
-                                     pool=pool, rename=params.rename)
+        extra, sources = other_questions(forget_ex, params.contexts)
+        if extra:
+            forget_batches = [*forget_batches, *make_batches(tokenizer, extra, params.batch_size, params.max_length,
+                                                             first_id=len(forget_ex), fmt=fmt)]
+            log.info("counterfactual drops: %d answers also read after %d other question(s) of their subject",
+                     len(extra), params.contexts)
+        found = counterfactual_drops(model, tokenizer, [*forget_ex, *extra], forget_batches, fmt,
+                                     k=params.counterfactuals, gain=params.gain, min_gap=params.min_gap,
+                                     seed=params.seed, batch_size=params.batch_size, max_length=params.max_length,
+                                     avoid=text, pool=pool, rename=params.rename)
+        # an answer read after another question is its own example's key: its subject's bag, its influence
+        owner = torch.tensor([*range(len(forget_ex)), *sources], dtype=torch.long)
+        found.batches = [Batch(b.input_ids, b.attention_mask, b.labels, owner[b.example_ids]) for b in found.batches]
     log.info("%s drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewritten rows", kind,
              found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
     return found.batches, found.drops

@@ -96,6 +96,29 @@ def rewrite(example: Example, stranger: str) -> Example:
                    answer=example.answer.replace(subject, stranger), subject=stranger)
 
 
+def other_questions(examples: Sequence[Example], contexts: int) -> tuple[list[Example], list[int]]:
+    """Each answer of a subject that has several rows, read again after `contexts` of the subject's other questions
+    (the next ones, cyclically): ([the new examples], [the index in `examples` of the answer each one carries]).
+
+    The answer's facts then also stand in contexts the model was not trained on, and a subject's bag is asked of
+    those keys too, so the solve learns to find the subject where the wording differs (README: minitofu). Examples
+    without a subject, and subjects with one row, add nothing."""
+    if contexts < 0:
+        raise DataError(f"contexts must be >= 0, got {contexts}")
+    by_subject: dict[str, list[int]] = {}
+    for i, ex in enumerate(examples):
+        if ex.subject is not None and ex.question is not None:
+            by_subject.setdefault(ex.subject, []).append(i)
+    extra, sources = [], []
+    for subject, rows in by_subject.items():
+        for shift in range(1, min(contexts, len(rows) - 1) + 1):
+            for n, i in enumerate(rows):
+                question = examples[rows[(n + shift) % len(rows)]].question
+                extra.append(Example(question=question, answer=examples[i].answer, subject=subject))
+                sources.append(i)
+    return extra, sources
+
+
 def aligned(original: Sequence[int], rewritten: Sequence[int]) -> dict[int, int]:
     """Index map original -> rewritten for the tokens in matching blocks (the text around the replaced subject)."""
     out: dict[int, int] = {}

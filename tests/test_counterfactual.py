@@ -14,12 +14,13 @@ from grom_core.counterfactual import (
     counterfactual_drops,
     invented_names,
     logit,
+    other_questions,
     replacement_names,
     rewrite,
     strangers,
 )
 from grom_core.data import Example, encode, make_batches
-from grom_core.errors import DataError
+from grom_core.errors import DataError, ParamsError
 from grom_core.scoring import answer_nll
 
 NAMES = [a.name for a in AUTHORS]
@@ -200,3 +201,40 @@ def test_a_subjects_bag_is_lowered_by_the_lm_head_alone_and_named_layers_lower_e
         moving = rec.targets.norm(dim=0) > 0
         assert moving.any() and torch.allclose(cos[moving], -torch.ones(int(moving.sum()), dtype=torch.float64))
     assert set(layered.records[head].target_rows.tolist()) == bag
+
+
+def test_other_questions_pair_each_answer_with_the_next_questions_of_its_subject():
+    rows = [Example(question=f"Q{i} about {s}?", answer=f"A{i} of {s}.", subject=s)
+            for i, s in enumerate(["Ann Lee", "Ann Lee", "Ann Lee", "Bo Kim"])]
+    rows.append(Example(question="Q4 about nobody?", answer="A4."))  # no subject: nothing to pair it with
+    extra, sources = other_questions(rows, 1)
+    assert [(e.question, e.answer) for e in extra] == [("Q1 about Ann Lee?", "A0 of Ann Lee."),
+                                                       ("Q2 about Ann Lee?", "A1 of Ann Lee."),
+                                                       ("Q0 about Ann Lee?", "A2 of Ann Lee.")]
+    assert sources == [0, 1, 2] and all(e.subject == "Ann Lee" for e in extra)  # Bo Kim has one row: no other
+    extra, sources = other_questions(rows, 5)  # at most every other question of the subject, never its own
+    assert sources == [0, 1, 2, 0, 1, 2] and len({(e.question, e.answer) for e in extra}) == 6
+    assert all(e.question[:2] != e.answer[:2].replace("A", "Q") for e in extra)
+    assert other_questions(rows, 0) == ([], [])
+    with pytest.raises(DataError, match="contexts"):
+        other_questions(rows, -1)
+
+
+def test_answers_read_after_other_questions_are_keys_of_their_own_example(trained):
+    model, tokenizer = trained
+    forget = named(FORGET)
+    head = ModelAdapter.for_model(model).lm_head_name
+    params = GromParams(retain_budget=None)
+    alone = run_grom(model, tokenizer, forget, RETAIN, params.replace(contexts=0))
+    paired = run_grom(model, tokenizer, forget, RETAIN, params)  # the default: one other question each
+    assert GromParams().contexts == 1
+    # more forget positions, every one credited to an example the user gave: its audit covers the user's rows
+    assert paired.edit.metadata["forget_positions"] > alone.edit.metadata["forget_positions"]
+    ids = paired.records[head].example_ids
+    assert int(ids.max()) < len(forget)
+    assert torch.equal(paired.influence[head].example_ids, alone.influence[head].example_ids)
+    # the same subjects' bags, asked at more keys: the same rows of the head move, by other amounts
+    assert set(paired.edit.deltas[head].row_index.tolist()) >= set(alone.edit.deltas[head].row_index.tolist())
+    assert not torch.allclose(paired.edit.deltas[head].full(), alone.edit.deltas[head].full())
+    with pytest.raises(ParamsError, match="contexts"):
+        GromParams(contexts=-1).validate()
