@@ -117,9 +117,9 @@ class GromParams(Params):
         contexts: counterfactual drops: how many of its subject's other questions each forget answer is also read
             after (the next ones in the data, cyclically; see counterfactual.other_questions), each reading a forget
             row of its own with its own measured drops. The answer's facts then stand in contexts the model was not
-            trained on, and the subject's bag is asked there too: on minitofu one such context keeps more of the
-            utility sets at the same Forget Quality, more than one less Forget Quality (README). 0: each answer
-            after its own question only.
+            trained on, and the subject's bag is asked there too: on minitofu one such context keeps 0.001-0.004
+            more Model Utility at about the same Forget Quality (four seeds), two or more lose Forget Quality
+            (README). 0: each answer after its own question only.
         scope: counterfactual drops: which tokens each forget position is asked to lower: "position" (its own
             next token, by its own drop) or "subject" (every token that is asked to drop anywhere in the rows of
             its subject, by the largest drop asked of it there: the same bag at every position of a subject, which

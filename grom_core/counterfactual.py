@@ -101,8 +101,8 @@ def other_questions(examples: Sequence[Example], contexts: int) -> tuple[list[Ex
     (the next ones, cyclically): ([the new examples], [the index in `examples` of the answer each one carries]).
 
     The answer's facts then also stand in contexts the model was not trained on, and a subject's bag is asked of
-    those keys too, so the solve learns to find the subject where the wording differs (README: minitofu). Examples
-    without a subject, and subjects with one row, add nothing."""
+    those keys too (GromParams.contexts; README: minitofu). Examples without a subject, and subjects with one row,
+    add nothing."""
     if contexts < 0:
         raise DataError(f"contexts must be >= 0, got {contexts}")
     by_subject: dict[str, list[int]] = {}
