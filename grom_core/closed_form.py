@@ -417,7 +417,7 @@ def _measured_drops(model: nn.Module, tokenizer, forget_ex: list[Example], retai
                                      avoid=text, pool=pool, rename=params.rename)
         # an answer read after another question is its own example's key: its subject's bag, its influence
         owner = torch.tensor([*range(len(forget_ex)), *sources], dtype=torch.long)
-        found.batches = [Batch(b.input_ids, b.attention_mask, b.labels, owner[b.example_ids]) for b in found.batches]
+        found.batches = [dataclasses.replace(b, example_ids=owner[b.example_ids]) for b in found.batches]
     log.info("%s drops: %d of %d forget positions with a gap >= %.2f (mean drop %.2f), %d rewritten rows", kind,
              found.drops.numel(), found.positions_before, params.min_gap, float(found.drops.mean()), found.rewrites)
     return found.batches, found.drops

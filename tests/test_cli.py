@@ -79,7 +79,7 @@ def test_bad_option_is_a_usage_error(tmp_path, capsys, monkeypatch):
     done = in_process("benchmark", "build", "minimuse", "--config", '{"per_part": "2"}', "--home", str(tmp_path))
     assert done.returncode == 2 and "per_part must be int" in done.stderr and "Traceback" not in done.stderr
     done = in_process("evaluate", "--benchmark", "minimuse", "--model", str(tmp_path / "none"), "--config",
-                '{"shared_name": false}', "--home", str(tmp_path))
+                      '{"shared_name": false}', "--home", str(tmp_path))
     assert done.returncode == 2 and "shared_names" in done.stderr and "Traceback" not in done.stderr
     # rows of one's own are ablation rows; their parameters are checked before anything is built
     done = in_process("bench", "--params", '{"relative_ridge": 0.1}', "--home", str(tmp_path))
