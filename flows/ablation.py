@@ -4,7 +4,9 @@ Every row starts from the parameters `grom bench` gives the closed form on that 
 changes one thing; the row "library defaults" is GromParams() with only the benchmark's target kind, which is what
 issue 13's "one default" asks of every benchmark. The retain statistics are computed once and shared by every row
 that edits the same modules on the same data (a memory store): the first row that needs a module's statistics
-pays for their pass, the others time their forget passes and solves.
+pays for their pass, the others time their forget passes and solves. A row whose edit gives the model the same
+weights as an earlier row's (a change that is a no-op on this data, such as "keys at answers" where the defaults
+already key the answers) shares that row's evaluation and says so (`same_weights_as`).
 
 Rows of the caller's own (`custom_row`, `grom bench --ablation --params JSON`) change the library defaults by a
 JSON object of GromParams fields, so that a setting tried on the way to a default is a command anyone can rerun.
@@ -24,6 +26,7 @@ from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
 from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import Example, as_examples
+from grom_core.edit import Edit
 from grom_core.errors import DataError
 from grom_core.profiling import measure
 from grom_core.quantization import quantizers as available_quantizers
@@ -155,7 +158,8 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "forget_metric" (the one whose
     recovery is reported), "attacks" (those run), "before" (the unedited model's metrics), "rows": [{"name",
     "why", "params", "seconds", "layers", "forget_positions", "logit_drop", "metrics", "quantized" (attack ->
-    metrics with "recovery_<forget_metric>": after the round trip minus before it)}]}.
+    metrics with "recovery_<forget_metric>": after the round trip minus before it), "same_weights_as" (the
+    earlier row whose edit gave the model the same weights, whose evaluation the row shares; None)}]}.
     """
     bench = get_benchmark(benchmark)
     chosen = [r for r in ABLATIONS if (rows is None and not custom) or r.name in (rows or ())]
@@ -178,6 +182,7 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     before = evaluate_loaded(model, tokenizer, spec)
     store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
     out = []
+    evaluated: dict[str, dict] = {}  # weights digest -> the first row that gave those weights
     applicable = applicable_rows(chosen, base, as_examples(forget))
     num_layers = ModelAdapter.for_model(model).num_layers
     for i, row in enumerate(applicable):
@@ -185,19 +190,31 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
         with measure() as cost:
             run = run_grom(model, tokenizer, forget, retain, params, stats_store=store,
                            prompt_format=bench.prompt_format)
-        with run.edit.applied(model):
-            metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
+        digest = weights_digest(run.edit)
+        first = evaluated.get(digest)
+        if first is None:
+            with run.edit.applied(model):
+                metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
+        else:  # the same weights as an earlier row (a change that is a no-op on this data): the same figures
+            metrics, attacked = first["metrics"], first["quantized"]
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
                     "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
                     "logit_drop": run.edit.metadata.get("logit_drop"),
                     "retain_budget": run.edit.metadata.get("retain_budget"),
                     "forget_target": run.edit.metadata.get("forget_target"), "metrics": metrics,
-                    "quantized": attacked})
+                    "quantized": attacked, "same_weights_as": first["name"] if first else None})
+        evaluated.setdefault(digest, out[-1])
         log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(applicable), row.name, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
                            if isinstance(metrics.get(k), float)))
     return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table),
             "forget_metric": bench.metrics.forget, "attacks": list(quants), "before": before, "rows": out}
+
+
+def weights_digest(edit: Edit) -> str:
+    """A hash over the edit's factor bytes alone (not its parameters): two rows with the same digest give the
+    model the same weights, so their evaluations are the same."""
+    return Edit(deltas=edit.deltas, base_fingerprint=edit.base_fingerprint).edit_id
 
 
 def attack_specs(names: Sequence[str]) -> dict:

@@ -69,6 +69,10 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     # minitofu's rows name their authors and restate them in their answers: counterfactual drops at the answers,
     # which the row "keys at answers" only spells out
     assert rows["keys at answers"]["metrics"] == rows["benchmark parameters"]["metrics"]
+    # rows whose edits give the model the same weights share the first one's evaluation, and say so
+    assert rows["keys at answers"]["same_weights_as"] == rows["library defaults"]["same_weights_as"] == (
+        "benchmark parameters")
+    assert rows["benchmark parameters"]["same_weights_as"] is None and rows["gain x2"]["same_weights_as"] is None
     # the budget holds where it is set, and only ever scales an edit down: without it, at least as much is forgotten
     for name in ("benchmark parameters", "gain x2"):
         fit = rows[name]["retain_budget"]
@@ -123,3 +127,21 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     assert not (measured | specific | keys | {"no retain budget"}) & names(texts, corrupt)
     assert "no retain budget" in names(texts) & names(named) & names(qa)  # every suppression keyed at answers
     assert {"library defaults", "parallel solve", "other target kind"} <= names(texts, corrupt)
+
+
+def test_weights_digest_reads_the_factors_not_the_parameters():
+    import torch
+
+    from flows.ablation import weights_digest
+    from grom_core.edit import Edit, ModuleDelta
+
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(6, 2, generator=gen, dtype=torch.float64), torch.randn(2, 5, generator=gen,
+                                                                                      dtype=torch.float64)
+    delta = ModuleDelta.from_factors("lm_head", left, right)
+    edit = Edit(deltas={"lm_head": delta}, base_fingerprint="f", params={"gain": 6.0})
+    renamed = Edit(deltas={"lm_head": delta}, base_fingerprint="f", params={"gain": 6.0, "keys": "answer"})
+    assert renamed.edit_id != edit.edit_id and weights_digest(renamed) == weights_digest(edit)
+    scaled = Edit(deltas={"lm_head": delta.scaled(0.5)}, base_fingerprint="f", params={"gain": 6.0})
+    assert weights_digest(scaled) != weights_digest(edit)
+    assert weights_digest(Edit(deltas={"lm_head": delta}, base_fingerprint="g")) != weights_digest(edit)
