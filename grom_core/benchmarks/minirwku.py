@@ -50,6 +50,7 @@ COUNTRYINFO = {"package": "countryinfo", "version": "1.0.1", "license": "MIT",
                "wheel_sha256": "b02f6f534f0a3b9cdc73fba7e08f247e39826acfa54bf080f8e4eba812066350"}
 TARGETS = {"forget01": 1, "forget05": 5, "forget10": 10}
 PROBE_TYPES = ("fb", "qa", "adv")
+NEIGHBOR_TYPES = ("fb", "qa")  # a neighbour is asked plainly: adversarial phrasings test the forgetting alone
 FORGET_RELATION = "capital"  # entity-specific answers; a continent is shared by many countries (a neighbour fact)
 UTILITY_TOKENS = 24  # greedy tokens for a world-facts or real-authors answer
 CONTINENTS = ("Africa", "Asia", "Europe", "Oceania")  # countryinfo's regions that are continent names
@@ -176,6 +177,12 @@ def generate_answers(model, tokenizer, probes: Sequence[dict], *, max_new_tokens
     return [by_index[i] for i in range(len(probes))]
 
 
+def _answered(model, tokenizer, probes: Sequence[dict], max_new_tokens: int) -> list[dict]:
+    """The probes whose greedy generation states their answer."""
+    got = generate_answers(model, tokenizer, probes, max_new_tokens=max_new_tokens)
+    return [p for p, g in zip(probes, got, strict=True) if answer_matches(g, p["answer"])]
+
+
 def _probes(entity: dict, relation: str, types: Sequence[str] = PROBE_TYPES) -> list[dict]:
     rel, e, answer = RELATIONS[relation], entity["entity"], entity[relation]
     made = {"fb": [(rel.fb, "completion")], "qa": [(rel.qa, "chat")], "adv": [(a, "completion") for a in rel.adv]}
@@ -198,16 +205,14 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
     first = [p for c in countries for p in _probes(c, "capital", ("fb",))]
     got = generate_answers(model, tokenizer, first, max_new_tokens=config.max_new_tokens)
     known = [c for c, p, g in zip(countries, first, got, strict=True) if answer_matches(g, p["answer"])]
-    # 2: every probe of those countries; keep the ones answered correctly
-    probes = [p for c in known for r in RELATIONS if c.get(r) for p in _probes(c, r)]
-    got = generate_answers(model, tokenizer, probes, max_new_tokens=config.max_new_tokens)
-    kept = [p for p, g in zip(probes, got, strict=True) if answer_matches(g, p["answer"])]
+    # 2: every probe of the forget relation of those countries; keep the ones answered correctly
+    probes = [p for c in known for p in _probes(c, FORGET_RELATION)]
+    kept = _answered(model, tokenizer, probes, config.max_new_tokens)
     by_entity: dict[str, list[dict]] = {}
     for p in kept:
         by_entity.setdefault(p["entity"], []).append(p)
     # a target must be known in every probe type (so every forget metric has probes at every split)
-    eligible = [c for c in known if {p["type"] for p in by_entity.get(c["entity"], [])
-                                     if p["relation"] == FORGET_RELATION} == set(PROBE_TYPES)]
+    eligible = [c for c in known if {p["type"] for p in by_entity.get(c["entity"], [])} == set(PROBE_TYPES)]
     rng = random.Random(config.seed)
     rng.shuffle(eligible)
     need = max(TARGETS.values())
@@ -218,11 +223,18 @@ def generate(config: MiniRwkuConfig, model_dir: str | Path) -> dict[str, list[di
     rng.shuffle(others)
     neighbors = others[:config.neighbor_entities]
     retain = others[config.neighbor_entities:config.neighbor_entities + config.retain_entities]
+    # 3: the neighbours' other relations, in the probe types they are evaluated on (nobody else's are read)
+    more = [p for c in neighbors for r in RELATIONS if r != FORGET_RELATION and c.get(r)
+            for p in _probes(c, r, NEIGHBOR_TYPES)]
+    probes += more
+    for p in _answered(model, tokenizer, more, config.max_new_tokens):
+        kept.append(p)
+        by_entity.setdefault(p["entity"], []).append(p)
     log.info("minirwku: %d countries, %d with a known capital, %d probes of %d kept, %d eligible targets",
              len(countries), len(known), len(kept), len(probes), len(eligible))
     forget_probes = [{**p, "rank": rank} for rank, c in enumerate(targets) for p in by_entity[c["entity"]]
                      if p["relation"] == FORGET_RELATION]
-    neighbor_probes = [p for c in neighbors for p in by_entity.get(c["entity"], []) if p["type"] in ("fb", "qa")]
+    neighbor_probes = [p for c in neighbors for p in by_entity.get(c["entity"], []) if p["type"] in NEIGHBOR_TYPES]
     utility = {name: real_world_rows(name)[:config.utility_items] for name in ("world_facts", "real_authors")}
     text = general_text(config.text_paragraphs + config.retain_paragraphs)
     return {
