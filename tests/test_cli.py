@@ -17,8 +17,11 @@ def grom(*args, env=None):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=3600)
 
 
-def test_demo_json(small_workspace):
-    """The README's main command, on a smaller minitofu (10 authors) so that the suite stays quick."""
+def test_demo_json(small_workspace, harness):
+    """The README's main command, on a smaller minitofu (10 authors) so that the suite stays quick: first as a user
+    runs it (its own temporary Prefect server), then against the session's server (one server start fewer)."""
+    from prefect.settings import PREFECT_API_URL
+
     tmp_path = small_workspace
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,7 +46,8 @@ def test_demo_json(small_workspace):
     assert (tmp_path / "ws" / "catalog.duckdb").exists()
     # a gradient baseline through the same flow, reusing the trained models of the first run
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"), "--method", "npo",
-                "--compose", "sago", "--params", '{"trainer": {"epochs": 2}}', "--no-quantization")
+                "--compose", "sago", "--params", '{"trainer": {"epochs": 2}}', "--no-quantization",
+                env={"PREFECT_API_URL": PREFECT_API_URL.value()})
     assert done.returncode == 0, done.stderr[-3000:]
     npo = json.loads(done.stdout)
     assert npo["method"] == "npo" and npo["compose"] == "sago" and npo["unlearning"]["steps"] > 0
