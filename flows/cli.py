@@ -302,7 +302,7 @@ def _ablation_table(home: str | None, benchmark: str, split: str | None, authors
         drops = f"{drop['asked_mean']:.3g} / {drop['achieved_mean']:.3g}" if drop else ""
         budget = f"{fit['scale']:.3g} ({fit['damage']:.3f})" if fit else ""
         aimed = f"{aim['scale']:.3g} ({aim['probability']:.3g})" if aim else ""
-        same = f" (the weights of '{row['same_weights_as']}')" if row["same_weights_as"] else ""
+        same = f" (same weights as {row['same_weights_as']})" if row["same_weights_as"] else ""
         table.add_row(row["name"] + same, f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops, budget,
                       aimed, *[fmt(row["metrics"].get(k)) for k in columns],
                       *[fmt(row["quantized"][q].get(recovered)) for q in result["attacks"]])
