@@ -17,6 +17,7 @@ from grom_core.errors import DataError
 from grom_core.methods import METHODS
 
 err = Console(stderr=True)
+UNBOUNDED_WIDTH = 100_000  # characters: wide enough that measuring a table never wraps or cuts a cell
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 HomeOpt = Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")]
@@ -48,7 +49,17 @@ def emit(payload: dict, as_json: bool, *tables: Table | None) -> None:
         return
     for table in tables:
         if table is not None:
-            Console().print(table)
+            table_console(table).print(table)
+
+
+def table_console(table: Table) -> Console:
+    """Where a table goes on stdout: a terminal at its own width (rich wraps the cells to fit), anything else (a
+    file, a pipe, a CI log) at the table's natural width, so that no figure is cut short ("0.11…")."""
+    console = Console()
+    if console.is_terminal:
+        return console
+    natural = Console(width=UNBOUNDED_WIDTH).measure(table).maximum
+    return Console(width=max(natural, console.width))
 
 
 def metrics_table(title: str, before: dict, after: dict) -> Table:
