@@ -44,7 +44,7 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     from grom_core.closed_form import GromParams
 
     tmp_path = small_workspace / "ws"
-    result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults", "gain x2",
+    result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults",
                                                             "no retain budget", "keys at answers",
                                                             "drops by position"), authors=10,
                           custom=[{"relative_ridge": 0.01}], attacks=("rtn4",))
@@ -56,12 +56,11 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
         assert attacked["recovery_forget_rougeL_recall"] == pytest.approx(
             attacked["forget_rougeL_recall"] - row["metrics"]["forget_rougeL_recall"])
     assert list(rows) == ["benchmark parameters", "library defaults", "keys at answers", "drops by position",
-                          "gain x2", "no retain budget", '{"relative_ridge": 0.01}']  # the table's order, own last
+                          "no retain budget", '{"relative_ridge": 0.01}']  # the table's order, own last
     assert rows["library defaults"]["params"] == GromParams(influence=False).to_dict()
     own = rows['{"relative_ridge": 0.01}']
     assert own["params"] == GromParams(influence=False, relative_ridge=0.01).to_dict()
     assert own["metrics"] != rows["library defaults"]["metrics"]  # the change reached the solve
-    assert rows["gain x2"]["params"]["gain"] == 2 * rows["benchmark parameters"]["params"]["gain"]
     for row in rows.values():
         assert set(result["columns"]) <= set(row["metrics"]) and row["seconds"] > 0
     # the subjects' bags are the LM head's alone; drops by position are solved on a band of layers too
@@ -72,11 +71,10 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
     # rows whose edits give the model the same weights share the first one's evaluation, and say so
     assert rows["keys at answers"]["same_weights_as"] == rows["library defaults"]["same_weights_as"] == (
         "benchmark parameters")
-    assert rows["benchmark parameters"]["same_weights_as"] is None and rows["gain x2"]["same_weights_as"] is None
+    assert rows["benchmark parameters"]["same_weights_as"] is rows["drops by position"]["same_weights_as"] is None
     # the budget holds where it is set, and only ever scales an edit down: without it, at least as much is forgotten
-    for name in ("benchmark parameters", "gain x2"):
-        fit = rows[name]["retain_budget"]
-        assert fit["damage"] <= rows[name]["params"]["retain_budget"] and 0 < fit["scale"] <= 1
+    fit = rows["benchmark parameters"]["retain_budget"]
+    assert fit["damage"] <= rows["benchmark parameters"]["params"]["retain_budget"] and 0 < fit["scale"] <= 1
     assert rows["no retain budget"]["retain_budget"] is None
     assert (rows["no retain budget"]["metrics"]["forget_probability"]
             <= rows["benchmark parameters"]["metrics"]["forget_probability"])
@@ -127,6 +125,10 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     assert not (measured | specific | keys | {"no retain budget"}) & names(texts, corrupt)
     assert "no retain budget" in names(texts) & names(named) & names(qa)  # every suppression keyed at answers
     assert {"library defaults", "parallel solve", "other target kind"} <= names(texts, corrupt)
+    # a row's change is a pure function of the base parameters
+    by_name = {r.name: r for r in ABLATIONS}
+    assert by_name["gain x2"].change(suppress, 4) == {"gain": 2 * suppress.gain}
+    assert by_name["ridge x100"].change(suppress, 4) == {"relative_ridge": 100 * suppress.relative_ridge}
 
 
 def test_weights_digest_reads_the_factors_not_the_parameters():
