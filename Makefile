@@ -24,9 +24,8 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
-# two workers (tests/conftest.py: each computes on its share of the cores; tests sharing a costly build run on one)
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 # the fast tier alone: core math, metrics, data, catalog and storage glue (no flows, no CLI)
 test-fast: lint

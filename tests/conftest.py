@@ -2,7 +2,6 @@
 
 import os
 import tempfile
-from pathlib import Path
 
 # Prefect and MLflow read their settings at import: point them at throwaway places before anything imports them.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,18 +9,12 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="grom-test-prefect
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# `make test` runs the suite on pytest-xdist workers, one a core: each computes on its share of the cores (its grom
-# subprocesses too, which read OMP_NUM_THREADS), so that two workers do not fight over the same two.
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
-os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 # Prefect configures logging with dictConfig when its API is first imported, which closes every handler that
 # exists then. Imported here, before any test module is collected, it cannot close a handler that another library
 # (absl, which grom_core's metrics import) bound to one of pytest's capture files.
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from filelock import FileLock  # noqa: E402
 from prefect import flow  # noqa: E402, F401
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -32,7 +25,6 @@ from grom_core.quantization import bitsandbytes_available  # noqa: E402
 
 # The FP4/NF4 and int8 attacks need bitsandbytes (declared for Linux x86_64 only); rtn4 runs everywhere.
 HAS_BITSANDBYTES = bitsandbytes_available()
-torch.set_num_threads(THREADS)
 needs_bitsandbytes = pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (no wheel for "
                                         "this platform): the FP4, NF4 and int8 attacks cannot run")
 ATTACK = "fp4" if HAS_BITSANDBYTES else "rtn4"  # the 4-bit attack a test runs: FP4 where it can
@@ -51,21 +43,11 @@ def tokenizer():
     return train_tokenizer([f"Question: {e.question}\nAnswer: {e.answer}" for e in qa_pairs(AUTHORS)], 400)
 
 
-def shared_folder(tmp_path_factory, name: str) -> Path:
-    """A folder of this run that every xdist worker sees (each worker's own temporary folders lie in it)."""
-    root = tmp_path_factory.getbasetemp()
-    folder = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def trained_dir(tmp_path_factory):
-    """The memorisation model, trained once for the run: a second worker waits for the first and reuses it (cached
-    by its configuration's digest)."""
-    models = shared_folder(tmp_path_factory, "models")
-    with FileLock(models / "train.lock"):
-        return train_tiny_model(qa_pairs(AUTHORS), models, model_config=MODEL_CONFIG, train_config=TRAIN_CONFIG)
+    torch.set_num_threads(2)
+    return train_tiny_model(qa_pairs(AUTHORS), tmp_path_factory.mktemp("models"), model_config=MODEL_CONFIG,
+                            train_config=TRAIN_CONFIG)
 
 
 @pytest.fixture()
@@ -118,6 +100,8 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_home(smollm2):
+    from pathlib import Path
+
     return Path(smollm2.model_dir).parent.parent
 
 
@@ -128,17 +112,6 @@ def harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
-
-
-# Tests that share a session fixture's costly build run on one worker, which builds it once.
-SHARED_BUILDS = {"small_workspace": "minitofu-10-authors", "smollm2": "smollm2"}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        for fixture, group in SHARED_BUILDS.items():
-            if fixture in item.fixturenames:
-                item.add_marker(pytest.mark.xdist_group(group))
 
 
 def run_grom(capsys, monkeypatch, *args):

@@ -5,7 +5,6 @@ from importlib import metadata
 
 import pytest
 import torch
-from conftest import THREADS
 
 from flows.evaluation import build_benchmark
 from grom_core.benchmarks import minirwku
@@ -51,7 +50,7 @@ def test_unlearning_inputs_take_the_split_s_targets_and_all_retain_data():
 
 @pytest.mark.e2e
 def test_built_on_smollm2_then_forgotten_by_the_closed_form(smollm2_home, capsys):
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(2)
     # smaller than the shipped sizes (which `grom bench` runs): the same build, probes and checks in half the time
     small = minirwku.MiniRwkuConfig(retain_entities=16, neighbor_entities=10, utility_items=16, text_paragraphs=12,
                                     retain_paragraphs=40)

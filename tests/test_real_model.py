@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import THREADS
 
 from grom_core import GromParams, run_grom
 from grom_core.checkpoints import get_shipped_model, import_gguf
@@ -62,7 +61,7 @@ def test_bad_files_are_refused_before_any_conversion(tmp_path):
 
 
 def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2, capsys):
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(2)
     model, tokenizer = load_for_edit(smollm2.model_dir)  # the tied head is untied for the edit
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     rest = [c for c in CAPITALS if c not in FORGET]
