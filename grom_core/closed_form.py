@@ -103,7 +103,7 @@ class GromParams(Params):
             log-odds). None: `beta_margins` times the mean margin of the forget answers' specific tokens (each gold
             token's logit over the best other token's, measured by one forward pass over the forget rows; see
             targets.margin_beta): about 40 on the tiny models, 16 on SmolLM2's capitals, where 40 takes
-            neighbouring facts along (README, minirwku). At subject keys (`keys`) None is SUBJECT_KEYS_BETA, 40:
+            neighbouring facts along (docs/minirwku.md). At subject keys (`keys`) None is SUBJECT_KEYS_BETA, 40:
             the margin is read where the answer is, and a drop asked at the subject, layers before it, with the
             measured beta (11 on minizsre) forgets half the facts that 40 does (README, minizsre).
         beta_margins: beta in units of that mean margin, when `beta` is None. 4.5 keeps the drop the tiny models
@@ -119,7 +119,7 @@ class GromParams(Params):
             row of its own with its own measured drops. The answer's facts then stand in contexts the model was not
             trained on, and the subject's bag is asked there too: on minitofu one such context keeps 0.001-0.004
             more Model Utility at about the same Forget Quality (four seeds), two or more lose Forget Quality
-            (README). 0: each answer after its own question only.
+            (README, minitofu). 0: each answer after its own question only.
         scope: counterfactual drops: which tokens each forget position is asked to lower: "position" (its own
             next token, by its own drop) or "subject" (every token that is asked to drop anywhere in the rows of
             its subject, by the largest drop asked of it there: the same bag at every position of a subject, which
@@ -143,12 +143,12 @@ class GromParams(Params):
             alpha (the budget's grid, within what the budget allows) at which the forget answers' probability
             (TOFU's: exp of minus each answer's mean token NLL, averaged over the forget rows, in the prompt format)
             is at most this. The drops asked for (beta, gain) were sized on small models; on a pretrained model
-            they can ask several times what forgetting needs, and the surplus moves neighbouring facts too (README,
-            minirwku). None: the full edit. Any drop kind.
+            they can ask several times what forgetting needs, and the surplus moves neighbouring facts too
+            (docs/minirwku.md). None: the full edit. Any drop kind.
         forget_target_attack: a quantization attack (grom_core.quantization: gguf_q4_1, rtn4, fp4, nf4, int8,
             fp4_head_kept) after which the forget target is read: every probe of the bisection round-trips the
             whole edited model. An edit scaled to the target can be rounded away (llama.cpp's Q4_1 gives most of a
-            SmolLM2 edit scaled to 0.05 back, README: minirwku); read after the round trip, the target holds after
+            SmolLM2 edit scaled to 0.05 back, docs/minirwku.md); read after the round trip, the target holds after
             it. None: read on the model as edited.
         sharpness, threshold, smoothing: shape of the specificity weights (see targets.specificity_weights).
         word_starts_only: suppress only tokens that begin a word, not the pieces inside one (see

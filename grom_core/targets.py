@@ -160,7 +160,7 @@ def margin_beta(tokens: torch.Tensor, margins: torch.Tensor, weights: torch.Tens
 
     A fixed number of nats means little across models: a tiny model that memorised its answers prefers each gold
     token over the next by about 9 nats, SmolLM2 the capitals it knows by about 3.6, and a drop sized for the first
-    takes the second's neighbouring facts with it (README, minirwku). Measured in the model's own margins, the same
+    takes the second's neighbouring facts with it (docs/minirwku.md). Measured in the model's own margins, the same
     setting asks each of them for as much as its confidence in these answers.
 
     Args:

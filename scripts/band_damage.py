@@ -1,5 +1,5 @@
 """Which band of layers a forget target costs least: minirwku's bands of two, each scaled to the same forget level,
-against the damage on retain rows the solve never saw (the README's "held-out retain damage per band").
+against the damage on retain rows the solve never saw (docs/minirwku.md, "Held-out retain damage per band").
 
     python scripts/band_damage.py --split forget05          # in the workspace that holds the built benchmark
 

@@ -1,5 +1,5 @@
 """Where minitofu's LM-head edit reaches: its bag's logits on the utility sets' answers, and what the greedy answers
-become (the README's "Where forget01's utility goes").
+become (docs/minitofu.md, "Other builds, and where forget01's utility goes").
 
     python scripts/head_reach.py --split forget01          # in the workspace that holds the built benchmark
 

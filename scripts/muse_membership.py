@@ -1,4 +1,4 @@
-"""Why the closed form's PrivLeak stays near -100 on minimuse (the README's "Where PrivLeak goes").
+"""Why the closed form's PrivLeak stays near -100 on minimuse (docs/minimuse.md, "Where PrivLeak goes").
 
     python scripts/muse_membership.py                              # in the workspace that holds the built benchmark
     python scripts/muse_membership.py --recombined 48 --recombined 200

@@ -1,5 +1,5 @@
-"""Do the counterfactual drops' strangers stand in for a model that never read the forget authors? (the README's
-"What the strangers are worth, measured without an edit").
+"""Do the counterfactual drops' strangers stand in for a model that never read the forget authors? (docs/minitofu.md,
+"What the strangers are worth").
 
     python scripts/stranger_truth_ratios.py --split forget10     # in the workspace that holds the built benchmark
 
