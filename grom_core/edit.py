@@ -191,8 +191,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
 
 
-def _row_chunk(delta: ModuleDelta) -> int:
-    return max(1, ROW_CHUNK_ELEMENTS // max(1, delta.shape[1]))
+def _touched_chunks(delta: ModuleDelta, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, the delta's rows start:stop as a float64 [stop - start, in] tensor on `device`) for each chunk
+    of rows the delta touches; chunks of about ROW_CHUNK_ELEMENTS keep a dense copy of a 49k-row head out of
+    memory."""
+    step = max(1, ROW_CHUNK_ELEMENTS // max(1, delta.shape[1]))
+    for start in range(0, delta.shape[0], step):
+        stop = min(start + step, delta.shape[0])
+        if delta.touches(start, stop):
+            yield start, stop, delta.rows(start, stop).to(device)
 
 
 @dataclass
@@ -261,12 +268,7 @@ class Edit:
         undo = Undo(edit_id=edit_id, base_fingerprint=self.base_fingerprint, post_fingerprint="")
         for delta, weight in pairs:
             idx_parts, val_parts = [], []
-            step = _row_chunk(delta)
-            for start in range(0, delta.shape[0], step):
-                stop = min(start + step, delta.shape[0])
-                if not delta.touches(start, stop):
-                    continue
-                p = delta.rows(start, stop).to(weight.device)
+            for start, stop, p in _touched_chunks(delta, weight.device):
                 old = weight[start:stop].clone()
                 new = (old.double() + p).to(weight.dtype)
                 back = (new.double() - p).to(weight.dtype)
@@ -299,12 +301,7 @@ class Edit:
                     f"the model changed after edit {edit_id} was applied ({found[:12]} is not "
                     f"{undo.post_fingerprint[:12]}); revert later edits first")
         for delta, weight in list(self._weights(model)):
-            step = _row_chunk(delta)
-            for start in range(0, delta.shape[0], step):
-                stop = min(start + step, delta.shape[0])
-                if not delta.touches(start, stop):
-                    continue
-                p = delta.rows(start, stop).to(weight.device)
+            for start, stop, p in _touched_chunks(delta, weight.device):
                 weight[start:stop] = (weight[start:stop].double() - p).to(weight.dtype)
             flat_idx = undo.indices[delta.name].to(weight.device)
             if flat_idx.numel():

@@ -46,6 +46,32 @@ def test_apply_then_revert_restores_every_bit(tiny_llama, dtype):
     assert_bit_identical(before, model)
 
 
+def test_chunked_apply_of_a_row_sparse_delta_adds_it_and_reverts_every_bit(tiny_llama, monkeypatch):
+    """apply and revert walk a delta in chunks of rows and skip the chunks it does not touch; with chunks of a few
+    rows, a head delta on rows 3, 4 and 40 spans touched and untouched chunks."""
+    import grom_core.edit as edit_module
+
+    model = tiny_llama.to(torch.float32)
+    name = ModelAdapter.for_model(model).lm_head_name
+    out_features, in_features = weight_out_in(model.get_submodule(name)).shape
+    monkeypatch.setattr(edit_module, "ROW_CHUNK_ELEMENTS", 2 * in_features)  # two rows a chunk
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.tensor([3, 4, 40])
+    delta = ModuleDelta.from_factors(name, 0.1 * torch.randn(3, 2, generator=gen, dtype=torch.float64),
+                                     torch.randn(2, in_features, generator=gen, dtype=torch.float64),
+                                     row_index=rows, out_features=out_features)
+    edit = Edit(deltas={name: delta}, base_fingerprint=weights_fingerprint(model), params={"kind": "random"})
+    w0 = weight_out_in(model.get_submodule(name)).detach().double().clone()
+    before = state_bits(model)
+    with edit.applied(model):
+        change = weight_out_in(model.get_submodule(name)).detach().double() - w0
+        assert torch.allclose(change, delta.full(), atol=1e-6)
+        untouched = torch.ones(out_features, dtype=torch.bool)
+        untouched[rows] = False
+        assert not change[untouched].any()  # every other row kept its bits
+    assert_bit_identical(before, model)
+
+
 def test_apply_changes_weights_by_the_delta_conv1d(tiny_gpt2):
     adapter = ModelAdapter.for_model(tiny_gpt2)
     name = adapter.down_proj_names[1]
