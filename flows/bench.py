@@ -56,10 +56,10 @@ def parse_entry(entry: str, bench: Benchmark, trainer: dict | None = None) -> tu
     for the method; a gradient method gets the benchmark's recipe with `trainer` (TrainerParams fields) over it."""
     name, _, compose = entry.partition(":")
     method = get_method(name)
-    values = bench.params_for(name, method.objective is not None)
+    values = bench.params_for(name, method.gradient)
     if compose:
         values["compose"] = compose
-    if method.objective is not None and trainer:
+    if method.gradient and trainer:
         values["trainer"] = {**values.get("trainer", {}), **trainer}
     params = method.params.from_dict(values)
     if hasattr(params, "influence"):

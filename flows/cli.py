@@ -26,7 +26,6 @@ from flows.console import (
 )
 from flows.formatting import fmt
 from flows.runtime import configure_process, stop_on_sigterm
-from grom_core.benchmarks.registry import BENCHMARKS
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
 
@@ -120,9 +119,33 @@ benchmark_app = typer.Typer(no_args_is_help=True, help="Shipped benchmarks: buil
 app.add_typer(benchmark_app, name="benchmark")
 
 
+@benchmark_app.command("list")
+def benchmark_list(as_json: JsonOpt = False) -> None:
+    """The registry's benchmarks: where each one's data and model come from, its forget splits and headline
+    metrics."""
+    from grom_core.benchmarks.registry import BENCHMARKS
+
+    rows = [{"name": name,
+             "data": ("probed from the model" if bench.pretrained else "generated") if bench.generate else (
+                 "your files (--data-dir)"),
+             "model": f"pretrained: {bench.pretrained}" if bench.pretrained else (
+                 "tiny Llama trained here" if bench.training_rows else "yours"),
+             "forget_splits": sorted(bench.forget_splits), "default_split": bench.default_split,
+             "forget_metric": bench.metrics.forget, "utility_metric": bench.metrics.utility}
+            for name, bench in BENCHMARKS.items()]
+    table = Table(title="benchmarks")
+    for column in ("benchmark", "data", "model", "forget splits (default)", "forget / utility metric"):
+        table.add_column(column)
+    for row in rows:
+        splits = ", ".join(s if s != row["default_split"] else f"{s} (default)" for s in row["forget_splits"])
+        table.add_row(row["name"], row["data"], row["model"], splits,
+                      f"{row['forget_metric']} / {row['utility_metric']}")
+    emit({"benchmarks": rows}, as_json, table)
+
+
 @benchmark_app.command("build")
 def benchmark_build(
-    name: Annotated[str, typer.Argument(help=f"One of {', '.join(n for n, b in BENCHMARKS.items() if b.generate)}.")],
+    name: Annotated[str, typer.Argument(help="A benchmark that `grom benchmark list` shows as generated here.")],
     out: Annotated[str | None, typer.Option(help="Output folder (default <workspace>/benchmarks).")] = None,
     split: Annotated[str | None, typer.Option(help="Forget split the retain model leaves out.")] = None,
     check: Annotated[bool, typer.Option(help="Evaluate both models and save the retain reference.")] = True,
@@ -154,7 +177,8 @@ def benchmark_build(
 @app.command()
 def evaluate(
     model: Annotated[str, typer.Option(help="Model directory (save_pretrained, safetensors).")],
-    benchmark: Annotated[str, typer.Option(help="minitofu, minimuse, miniwmdp, or tofu (real files).")],
+    benchmark: Annotated[str, typer.Option(help="A benchmark of `grom benchmark list` (tofu: the real TOFU files, "
+                                                "--data-dir).")],
     split: Annotated[str | None, typer.Option(help="Forget split (default: the benchmark's).")] = None,
     retain_reference: Annotated[str | None, typer.Option(help="Per-question values of the retain model.")] = None,
     save_reference: Annotated[str | None, typer.Option(help="Write this model's per-question values here.")] = None,

@@ -25,7 +25,7 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
     its whole configuration instead."""
     ws = Workspace.resolve(home)
     bench = get_benchmark(benchmark)
-    params = {**bench.params_for(method, get_method(method).objective is not None), **(params or {})}
+    params = {**bench.params_for(method, get_method(method).gradient), **(params or {})}
     method_params(method, params)  # checked before anything is built
     check_split(bench, split)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=config or sized_config(benchmark, authors))

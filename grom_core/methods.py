@@ -14,20 +14,28 @@ Adding a method is one module (its `Params` dataclass and entry point) plus one 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from grom_core.adapter import ModelAdapter
-from grom_core.closed_form import GromParams, SolveRecord, run_grom
-from grom_core.edit import Edit
-from grom_core.editors import alphaedit, memit, rome
 from grom_core.errors import DataError
-from grom_core.gradient import methods as gradient
-from grom_core.gradient.trainer import train
 from grom_core.params import Params
-from grom_core.statistics import GramStats, StatsComputer, StatsStore
+
+if TYPE_CHECKING:
+    from grom_core.adapter import ModelAdapter
+    from grom_core.closed_form import GromParams, SolveRecord
+    from grom_core.edit import Edit
+    from grom_core.gradient.methods import MethodParams, Objective
+    from grom_core.statistics import GramStats, StatsComputer, StatsStore
+
+
+def load(ref):
+    """The object a registry names as "package.module:attribute", imported now; any other value as it is."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
@@ -68,30 +76,52 @@ class MethodRun:
     timings_s: Mapping[str, float] = field(default_factory=dict)
 
 
-EntryPoint = Callable[[nn.Module, object, Sequence, Sequence, Params, MethodContext], MethodRun]
+EntryPoint = Callable[..., MethodRun]  # (model, tokenizer, forget, retain, params, MethodContext) -> MethodRun
 
 
 @dataclass(frozen=True)
 class Method:
     """A registry entry.
 
+    `params`, `run` and `objective` may be given as the "package.module:attribute" that defines them: they are
+    imported on first use, so that listing the registry (the command line's help and choices) loads no torch.
+
     Attributes:
         name: what users type (`--method NAME`).
-        params: its parameter dataclass (a `Params`; defaults are the method's published ones).
-        run: the entry point.
+        params_ref: its parameter dataclass (a `Params`; defaults are the method's published ones), or where it is.
+        run_ref: the entry point, or where it is.
         summary: one line for help texts and tables.
-        objective: the forget objective of a gradient method (None for other methods).
+        objective_ref: the forget objective of a gradient method, or where it is (None for other methods).
     """
 
     name: str
-    params: type[Params]
-    run: EntryPoint
+    params_ref: type[Params] | str
+    run_ref: EntryPoint | str
     summary: str
-    objective: gradient.Objective | None = None
+    objective_ref: Objective | str | None = None
+
+    @property
+    def params(self) -> type[Params]:
+        return load(self.params_ref)
+
+    @property
+    def run(self) -> EntryPoint:
+        return load(self.run_ref)
+
+    @property
+    def objective(self) -> Objective | None:
+        return load(self.objective_ref)
+
+    @property
+    def gradient(self) -> bool:
+        """A gradient method (trained with the shared trainer, its gradients composed): known without an import."""
+        return self.objective_ref is not None
 
 
 def closed_form(model, tokenizer, forget, retain, params: GromParams, context: MethodContext) -> MethodRun:
     """GROM. The influence audit is left to the caller (it needs only `records` and `retain_stats`)."""
+    from grom_core.closed_form import run_grom
+
     run = run_grom(model, tokenizer, forget, retain, params.replace(influence=False), adapter=context.adapter,
                    stats_store=context.stats_store, compute_stats=context.compute_stats,
                    prompt_format=context.prompt_format)
@@ -102,12 +132,16 @@ def closed_form(model, tokenizer, forget, retain, params: GromParams, context: M
                      timings_s=run.timings_s)
 
 
-def gradient_method(name: str, params: type[gradient.MethodParams], objective: gradient.Objective,
-                     summary: str) -> Method:
-    """A registry entry for a gradient method: its parameters, its forget objective, the shared trainer."""
+def gradient_method(name: str, params: type[MethodParams] | str, objective: Objective | str, summary: str
+                    ) -> Method:
+    """A registry entry for a gradient method: its parameters and its forget objective (each an object or where it
+    is), and the shared trainer."""
 
-    def run(model, tokenizer, forget, retain, p: gradient.MethodParams, context: MethodContext) -> MethodRun:
-        out = train(model, tokenizer, forget, retain, p, objective, name=name, prompt_format=context.prompt_format)
+    def run(model, tokenizer, forget, retain, p: MethodParams, context: MethodContext) -> MethodRun:
+        from grom_core.gradient.trainer import train
+
+        out = train(model, tokenizer, forget, retain, p, load(objective), name=name,
+                    prompt_format=context.prompt_format)
         return MethodRun(edit=out.edit, steps=out.steps, forward_passes=out.forward_passes,
                          timings_s={"train": out.seconds})
 
@@ -116,26 +150,25 @@ def gradient_method(name: str, params: type[gradient.MethodParams], objective: g
 
 DEFAULT_METHOD = "grom"
 
+_GRADIENT = "grom_core.gradient.methods"
+
 METHODS: dict[str, Method] = {
-    "grom": Method("grom", GromParams, closed_form, "closed-form edit (forward passes and one solve per module)"),
-    "ga": gradient_method("ga", gradient.GAParams, gradient.Objective(gradient.ga_forget), "gradient ascent"),
-    "graddiff": gradient_method("graddiff", gradient.GradDiffParams, gradient.Objective(gradient.ga_forget),
-                                 "gradient difference (ascent on forget, descent on retain)"),
-    "npo": gradient_method("npo", gradient.NPOParams,
-                            gradient.Objective(gradient.npo_forget, needs_reference=True),
-                            "negative preference optimisation"),
-    "simnpo": gradient_method("simnpo", gradient.SimNPOParams, gradient.Objective(gradient.simnpo_forget),
-                               "reference-free NPO"),
-    "idkdpo": gradient_method("idkdpo", gradient.IdkDPOParams,
-                               gradient.Objective(gradient.idkdpo_forget, needs_reference=True, preferred="idk"),
-                               "DPO towards 'I don't know' answers"),
-    "altpo": gradient_method("altpo", gradient.AltPOParams,
-                              gradient.Objective(gradient.altpo_forget, needs_reference=True,
-                                                 preferred="alternative"),
-                              "alternate preference optimisation: DPO towards in-domain alternative answers"),
-    "rome": Method("rome", rome.RomeParams, rome.run, "rank-one edit of one layer per fact, v* giving the fact up"),
-    "memit": Method("memit", memit.MemitParams, memit.run, "least-squares edit of a band of layers for many facts"),
-    "alphaedit": Method("alphaedit", alphaedit.AlphaEditParams, alphaedit.run,
+    "grom": Method("grom", "grom_core.closed_form:GromParams", closed_form,
+                   "closed-form edit (forward passes and one solve per module)"),
+    "ga": gradient_method("ga", f"{_GRADIENT}:GAParams", f"{_GRADIENT}:GA", "gradient ascent"),
+    "graddiff": gradient_method("graddiff", f"{_GRADIENT}:GradDiffParams", f"{_GRADIENT}:GRADDIFF",
+                                "gradient difference (ascent on forget, descent on retain)"),
+    "npo": gradient_method("npo", f"{_GRADIENT}:NPOParams", f"{_GRADIENT}:NPO", "negative preference optimisation"),
+    "simnpo": gradient_method("simnpo", f"{_GRADIENT}:SimNPOParams", f"{_GRADIENT}:SIMNPO", "reference-free NPO"),
+    "idkdpo": gradient_method("idkdpo", f"{_GRADIENT}:IdkDPOParams", f"{_GRADIENT}:IDKDPO",
+                              "DPO towards 'I don't know' answers"),
+    "altpo": gradient_method("altpo", f"{_GRADIENT}:AltPOParams", f"{_GRADIENT}:ALTPO",
+                             "alternate preference optimisation: DPO towards in-domain alternative answers"),
+    "rome": Method("rome", "grom_core.editors.rome:RomeParams", "grom_core.editors.rome:run",
+                   "rank-one edit of one layer per fact, v* giving the fact up"),
+    "memit": Method("memit", "grom_core.editors.memit:MemitParams", "grom_core.editors.memit:run",
+                    "least-squares edit of a band of layers for many facts"),
+    "alphaedit": Method("alphaedit", "grom_core.editors.alphaedit:AlphaEditParams", "grom_core.editors.alphaedit:run",
                         "MEMIT's edit projected onto the null space of the retain keys"),
 }
 
@@ -149,7 +182,7 @@ def get_method(name: str) -> Method:
 def method_params(name: str, values: Mapping | None = None) -> Params:
     """The parameters of method `name` from a JSON-like mapping (checked: unknown keys, types, ranges)."""
     method = get_method(name)
-    if "compose" in (values or {}) and method.objective is None:
+    if "compose" in (values or {}) and not method.gradient:
         raise DataError(f"compose applies to gradient methods only; {name} has no gradients to compose")
     return method.params.from_dict(values)
 

@@ -41,6 +41,36 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     assert imported_modules(source) == {"os", "flows", "prefect"}
 
 
+def test_the_command_line_and_the_registries_load_no_torch_until_a_command_needs_it():
+    """`grom --help`, usage errors and the service's queue commands answer in a fraction of a second: importing the
+    command line, the method registry and grom_core's errors loads neither torch nor transformers (the registry
+    names where each method's parameters and entry point live; grom_core's exports are imported on first use)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, flows.cli, grom_core, grom_core.errors, grom_core.methods as m; "
+             "heavy = sorted({'torch', 'transformers', 'scipy'} & set(sys.modules)); "
+             "names = [(n, e.gradient) for n, e in m.METHODS.items()]; "
+             "print(heavy, len(names)); "
+             "assert grom_core.GromParams is m.METHODS['grom'].params; "
+             "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.splitlines()
+    assert before.startswith("[] ")  # nothing heavy until a method's parameters were asked for
+    assert after == "True"  # ... and then they were imported where the registry says they live
+
+
+def test_grom_core_exports_are_imported_on_first_use():
+    import grom_core
+
+    assert set(grom_core.__all__) == set(grom_core._EXPORTS)
+    for name in grom_core.__all__:
+        assert getattr(grom_core, name) is not None and name in dir(grom_core)
+    with pytest.raises(AttributeError, match="no attribute 'GROMParams'"):
+        grom_core.GROMParams  # noqa: B018
+
+
 def test_shipped_tofu_files_are_package_data():
     import tomllib
 

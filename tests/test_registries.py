@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import FORGET, MODEL_CONFIG, RETAIN
+from conftest import FORGET, MODEL_CONFIG, RETAIN, run_grom
 
 from grom_core.benchmarks.authors import author_questions, make_authors
 from grom_core.benchmarks.registry import BENCHMARKS, Benchmark, MetricKeys
@@ -105,6 +105,19 @@ def test_a_toy_gradient_method_runs_through_the_flow(harness, trained_dir, files
     assert result["method"] == "normascent" and result["compose"] == "pcgrad"
     assert result["unlearning"]["steps"] == 2 * 2
     assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"]
+
+
+def test_grom_benchmark_list_shows_every_registered_benchmark(capsys, monkeypatch):
+    monkeypatch.setitem(BENCHMARKS, "toyqa", TOYQA)
+    code, out, err = run_grom(capsys, monkeypatch, "benchmark", "list", "--json")
+    assert code == 0, err
+    rows = {row["name"]: row for row in json.loads(out)["benchmarks"]}
+    assert list(rows) == list(BENCHMARKS)
+    assert rows["toyqa"]["data"] == "generated" and rows["toyqa"]["model"] == "tiny Llama trained here"
+    assert rows["tofu"]["data"] == "your files (--data-dir)"
+    assert rows["minirwku"] == {"name": "minirwku", "data": "probed from the model", "model": "pretrained: smollm2",
+                                "forget_splits": ["forget01", "forget05", "forget10"], "default_split": "forget05",
+                                "forget_metric": "forget_accuracy", "utility_metric": "neighbor_accuracy"}
 
 
 def test_every_registered_method_is_offered_by_the_command_line():

@@ -142,3 +142,12 @@ class Objective:
     forget_loss: Callable[[ForgetBatchOutputs, MethodParams], torch.Tensor]
     needs_reference: bool = False
     preferred: str | None = None
+
+
+# each method's forget objective, named by the method registry (grom_core.methods)
+GA = Objective(ga_forget)
+GRADDIFF = Objective(ga_forget)  # the retain term is the trainer's, weighed by alpha
+NPO = Objective(npo_forget, needs_reference=True)
+SIMNPO = Objective(simnpo_forget)
+IDKDPO = Objective(idkdpo_forget, needs_reference=True, preferred="idk")
+ALTPO = Objective(altpo_forget, needs_reference=True, preferred="alternative")

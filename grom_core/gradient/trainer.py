@@ -109,7 +109,7 @@ def unlearn_gradient(model: nn.Module, tokenizer, forget, retain, method: str = 
     from grom_core.methods import get_method
 
     entry = get_method(method)
-    if entry.objective is None:
+    if not entry.gradient:
         raise DataError(f"'{method}' is not a gradient method; call run_grom for the closed form")
     return train(model, tokenizer, forget, retain, params or entry.params(), entry.objective, name=method,
                  prompt_format=prompt_format)
