@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect.transactions import transaction
 
+from flows.queue import catalog_of
 from flows.reconcile import reconcile
 from flows.workspace import Workspace
 from grom_core.data import prompt_format as data_prompt_format
@@ -25,10 +26,10 @@ from grom_core.gates import Gates
 from grom_core.loading import check_model_dir
 from grom_core.methods import DEFAULT_METHOD
 from tasks import requests as queue
-from tasks.catalog import Catalog, now, record_run
+from tasks.catalog import now, record_run
 from tasks.datafiles import read_examples
-from tasks.lake import atomic_parquet, rows_table, safe_name
-from tasks.records import with_sha256
+from tasks.lake import atomic_parquet, rows_table
+from tasks.names import safe_name
 from tasks.steps import load_for_edit
 from tasks.tracking import Registration, check_model_name, get_version, register, serving_version, set_serving
 from tasks.versions import FULL, SAME, STORAGE_TAG, materialize, storage, version_model_dir
@@ -36,10 +37,6 @@ from tasks.versions import FULL, SAME, STORAGE_TAG, materialize, storage, versio
 log = logging.getLogger("grom.service")
 
 DEFAULT_EVALUATION = {"max_examples": 200, "quantizers": ["fp4", "nf4"]}
-
-
-def _catalog(ws: Workspace) -> Catalog:
-    return Catalog(ws.root / "catalog.duckdb")
 
 
 def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,
@@ -59,7 +56,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
     name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
-    catalog = _catalog(ws)
+    catalog = catalog_of(ws)
     reconcile(ws.root, catalog, name)  # what a killed run registered under this name and never recorded
     rows = read_examples(retain)
     digest = data_digest(rows)
@@ -115,30 +112,6 @@ def _run_row(registration: Registration, flow: str, fingerprint: str, model_dir:
                     "model_version": registration.version, "model_dir": model_dir, "started_at": now(), **extra}}
 
 
-def add_request(forget: str, *, reason: str | None = None, requester: str | None = None,
-                model_name: str | None = None, home: str | None = None) -> dict:
-    """Queue a deletion request: the file's examples go into the catalog with their sha256, status pending."""
-    ws = Workspace.resolve(home)
-    catalog = _catalog(ws)
-    service = queue.get_service(catalog, model_name)
-    rows = read_examples(forget)
-    examples = [with_sha256(r) for r in rows]
-    dataset = {"digest": data_digest(rows), "name": f"request:{Path(forget).name}", "role": "request",
-               "source": str(forget), "examples": examples}
-    request_id = queue.add_request(catalog, service.model_name, dataset, reason=reason, requester=requester)
-    log.info("request %d queued for %s: %d examples from %s", request_id, service.model_name, len(rows), forget)
-    return {"request_id": request_id, "status": queue.PENDING, "model_name": service.model_name,
-            "examples": len(rows)}
-
-
-def list_requests(home: str | None = None, status: str | None = None) -> dict:
-    return {"requests": queue.list_requests(_catalog(Workspace.resolve(home)), status)}
-
-
-def show_request(request_id: int, home: str | None = None) -> dict:
-    return queue.get_request(_catalog(Workspace.resolve(home)), request_id)
-
-
 def promote_version(version: str, *, model_name: str | None = None, home: str | None = None,
                     purge: bool = True) -> dict:
     """Put a version that failed its gates in service after human review, and mark its requests done."""
@@ -147,7 +120,7 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
     from flows.requests import purge_traces
 
     ws = Workspace.resolve(home)
-    catalog = _catalog(ws)
+    catalog = catalog_of(ws)
     name = queue.get_service(catalog, model_name).model_name
     tags = get_version(ws.root, name, version).tags
     serving = serving_version(ws.root, name)
@@ -173,18 +146,12 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
     return {"version": str(version), "previous": parent, "done": approved, "model_name": name}
 
 
-def requeue_request(request_id: int, home: str | None = None) -> dict:
-    catalog = _catalog(Workspace.resolve(home))
-    queue.requeue(catalog, request_id)
-    return {"request_id": request_id, "status": queue.PENDING}
-
-
 def revert_version(version: str, *, model_name: str | None = None, home: str | None = None) -> dict:
     """Undo the edit of `version` (the version in service) bit for bit, register the restored weights as a new
     version (a reference to the parent's weights, which they equal: no copy), move the alias to it, and reopen the
     requests `version` answered."""
     ws = Workspace.resolve(home)
-    catalog = _catalog(ws)
+    catalog = catalog_of(ws)
     name = queue.get_service(catalog, model_name).model_name
     reconcile(ws.root, catalog, name)
     tags = get_version(ws.root, name, version).tags

@@ -170,7 +170,7 @@ def request_requeue(
     as_json: JsonOpt = False,
 ) -> None:
     """Queue a request in review (or reopened, text not purged) again; the next run processes it."""
-    from flows.service import requeue_request
+    from flows.queue import requeue_request
 
     setup_logging(False)
     result = requeue_request(request_id, home)
@@ -187,7 +187,7 @@ def request_add(
     as_json: JsonOpt = False,
 ) -> None:
     """Queue a deletion request (status pending)."""
-    from flows.service import add_request
+    from flows.queue import add_request
 
     setup_logging(True)
     result = add_request(forget, reason=reason, requester=requester, model_name=model_name, home=home)
@@ -205,7 +205,7 @@ def request_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Every deletion request with its status and the model version that answered it."""
-    from flows.service import list_requests
+    from flows.queue import list_requests
 
     setup_logging(False)
     result = list_requests(home, status)
@@ -226,7 +226,7 @@ def request_show(
     as_json: JsonOpt = False,
 ) -> None:
     """One request: status, history, and its examples (sha256 only once purged)."""
-    from flows.service import show_request
+    from flows.queue import show_request
 
     setup_logging(False)
     result = show_request(request_id, home)

@@ -28,7 +28,7 @@ from flows.workspace import Workspace
 from grom_core.profiling import Timings
 from tasks import steps
 from tasks.catalog import Catalog, now, record_run
-from tasks.lake import safe_name
+from tasks.names import safe_name
 from tasks.plots import influence_plot, layer_scores_plot
 from tasks.records import EvaluationSpec, Outcome
 from tasks.requests import claim_owner

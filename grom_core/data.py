@@ -16,10 +16,12 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from grom_core.errors import DataError
+
+if TYPE_CHECKING:  # torch is imported where batches are made: reading a data file needs none
+    import torch
 
 IGNORE_INDEX = -100
 
@@ -213,6 +215,8 @@ class Batch:
 
 
 def collate(encoded: Sequence[EncodedExample], example_ids: Sequence[int], pad_id: int) -> Batch:
+    import torch
+
     width = max(len(e.input_ids) for e in encoded)
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     labels = torch.full((len(encoded), width), IGNORE_INDEX, dtype=torch.long)

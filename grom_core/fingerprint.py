@@ -10,11 +10,15 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are hashed: the request queue digests data without it
+    import torch
 
 
 def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    import torch
+
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return hashlib.sha256(flat.view(torch.uint8).numpy()).digest()  # the buffer itself: no copy to bytes
 

@@ -25,7 +25,7 @@ def shard_statistics(model_dir: str, rows: list[dict], first_id: int, modules: l
     from grom_core.data import as_examples, make_batches
     from grom_core.loading import load_model
     from grom_core.statistics import accumulate
-    from tasks.lake import safe_name
+    from tasks.names import safe_name
 
     torch.set_num_threads(1)  # one thread per worker process: the cluster provides the parallelism
     model, tokenizer = load_model(model_dir, device="cpu")

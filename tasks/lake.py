@@ -12,7 +12,6 @@ as list<float>; DuckDB reads them with `SELECT key::FLOAT[n] FROM 'lake/keys/...
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,12 +21,7 @@ from safetensors.torch import save_file
 
 from grom_core.closed_form import SolveRecord
 from grom_core.statistics import GramStats
-
-
-def safe_name(text: str) -> str:
-    """A file name derived from user input or module names: only [A-Za-z0-9_.-], no leading dot."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", text).lstrip(".")
-    return cleaned[:150] or "unnamed"
+from tasks.names import safe_name
 
 
 def atomic_parquet(table: pa.Table, path: Path) -> Path:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grom_core.errors import DataError
-from tasks.lake import safe_name
+from tasks.names import safe_name
 
 log = logging.getLogger(__name__)
 

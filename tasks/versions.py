@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from grom_core.errors import DataError, FingerprintMismatchError
-from tasks.lake import safe_name
+from tasks.names import safe_name
 from tasks.tracking import client, get_version
 
 log = logging.getLogger(__name__)

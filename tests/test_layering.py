@@ -41,15 +41,18 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     assert imported_modules(source) == {"os", "flows", "prefect"}
 
 
-def test_the_command_line_and_the_registries_load_no_torch_until_a_command_needs_it():
-    """`grom --help`, usage errors and the service's queue commands answer in a fraction of a second: importing the
-    command line, the method registry and grom_core's errors loads neither torch nor transformers (the registry
-    names where each method's parameters and entry point live; grom_core's exports are imported on first use)."""
+def test_the_command_line_and_the_queue_load_no_model_stack_until_a_command_needs_it(tmp_path):
+    """`grom --help`, usage errors and the request queue's commands answer in a fraction of a second: importing the
+    command line, the method registry, grom_core's errors and the queue's commands, and resolving a workspace, load
+    neither torch and transformers nor Prefect and MLflow (the registry names where each method's parameters and
+    entry point live; grom_core's exports are imported on first use)."""
     import subprocess
     import sys
 
-    probe = ("import sys, flows.cli, grom_core, grom_core.errors, grom_core.methods as m; "
-             "heavy = sorted({'torch', 'transformers', 'scipy'} & set(sys.modules)); "
+    probe = ("import sys, flows.cli, flows.queue, grom_core, grom_core.errors, grom_core.methods as m; "
+             "from flows.workspace import Workspace; "
+             f"Workspace.resolve({str(tmp_path / 'ws')!r}); "
+             "heavy = sorted({'torch', 'transformers', 'scipy', 'prefect', 'mlflow', 'pyarrow'} & set(sys.modules)); "
              "names = [(n, e.gradient) for n, e in m.METHODS.items()]; "
              "print(heavy, len(names)); "
              "assert grom_core.GromParams is m.METHODS['grom'].params; "
