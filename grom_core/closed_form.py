@@ -119,7 +119,7 @@ class GromParams(Params):
             row of its own with its own measured drops. The answer's facts then stand in contexts the model was not
             trained on, and the subject's bag is asked there too: on minitofu one such context keeps 0.001-0.004
             more Model Utility at about the same Forget Quality (four seeds), two or more lose Forget Quality
-            (README, minitofu). 0: each answer after its own question only.
+            (docs/minitofu.md). 0: each answer after its own question only.
         scope: counterfactual drops: which tokens each forget position is asked to lower: "position" (its own
             next token, by its own drop) or "subject" (every token that is asked to drop anywhere in the rows of
             its subject, by the largest drop asked of it there: the same bag at every position of a subject, which
