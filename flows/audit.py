@@ -30,7 +30,7 @@ EXACTNESS = ("Influence is exact leave-one-out for each module with everything e
 
 def audit(identifier: str, home: str | None = None, log_to_mlflow: bool = True, refit: int = 0) -> dict:
     ws = Workspace.resolve(home)
-    catalog = Catalog(ws.root / "catalog.duckdb")
+    catalog = ws.catalog()
     edit_id = _edit_of(catalog, identifier)
     edits = catalog.query("SELECT * FROM edits WHERE edit_id = ?", [edit_id])
     if not edits:

@@ -13,22 +13,17 @@ from pathlib import Path
 from flows.workspace import Workspace
 from grom_core.fingerprint import data_digest
 from tasks import requests as queue
-from tasks.catalog import Catalog
 from tasks.datafiles import read_examples
 from tasks.records import with_sha256
 
 log = logging.getLogger("grom.service")
 
 
-def catalog_of(ws: Workspace) -> Catalog:
-    return Catalog(ws.root / "catalog.duckdb")
-
-
 def add_request(forget: str, *, reason: str | None = None, requester: str | None = None,
                 model_name: str | None = None, home: str | None = None) -> dict:
     """Queue a deletion request: the file's examples go into the catalog with their sha256, status pending."""
     ws = Workspace.resolve(home)
-    catalog = catalog_of(ws)
+    catalog = ws.catalog()
     service = queue.get_service(catalog, model_name)
     rows = read_examples(forget)
     examples = [with_sha256(r) for r in rows]
@@ -41,14 +36,14 @@ def add_request(forget: str, *, reason: str | None = None, requester: str | None
 
 
 def list_requests(home: str | None = None, status: str | None = None) -> dict:
-    return {"requests": queue.list_requests(catalog_of(Workspace.resolve(home)), status)}
+    return {"requests": queue.list_requests(Workspace.resolve(home).catalog(), status)}
 
 
 def show_request(request_id: int, home: str | None = None) -> dict:
-    return queue.get_request(catalog_of(Workspace.resolve(home)), request_id)
+    return queue.get_request(Workspace.resolve(home).catalog(), request_id)
 
 
 def requeue_request(request_id: int, home: str | None = None) -> dict:
-    catalog = catalog_of(Workspace.resolve(home))
+    catalog = Workspace.resolve(home).catalog()
     queue.requeue(catalog, request_id)
     return {"request_id": request_id, "status": queue.PENDING}

@@ -51,7 +51,7 @@ def process_deletion_requests(home: str | None = None, model_name: str | None = 
     Returns {"processed": [ids], "version": N or None, "promoted": bool, "reasons": [gate failures], ...}.
     """
     ws = Workspace.resolve(home)
-    catalog = Catalog(ws.root / "catalog.duckdb")
+    catalog = ws.catalog()
     service = queue.get_service(catalog, model_name)
     name = service.model_name
     removed = reconcile(ws.root, catalog, name, stale_after_s)

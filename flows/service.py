@@ -15,7 +15,6 @@ from pathlib import Path
 
 from prefect.transactions import transaction
 
-from flows.queue import catalog_of
 from flows.reconcile import reconcile
 from flows.workspace import Workspace
 from grom_core.data import prompt_format as data_prompt_format
@@ -56,7 +55,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     gates = asdict(Gates.from_dict(gates or {}))
     evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
     name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
-    catalog = catalog_of(ws)
+    catalog = ws.catalog()
     reconcile(ws.root, catalog, name)  # what a killed run registered under this name and never recorded
     rows = read_examples(retain)
     digest = data_digest(rows)
@@ -120,7 +119,7 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
     from flows.requests import purge_traces
 
     ws = Workspace.resolve(home)
-    catalog = catalog_of(ws)
+    catalog = ws.catalog()
     name = queue.get_service(catalog, model_name).model_name
     tags = get_version(ws.root, name, version).tags
     serving = serving_version(ws.root, name)
@@ -151,7 +150,7 @@ def revert_version(version: str, *, model_name: str | None = None, home: str | N
     version (a reference to the parent's weights, which they equal: no copy), move the alias to it, and reopen the
     requests `version` answered."""
     ws = Workspace.resolve(home)
-    catalog = catalog_of(ws)
+    catalog = ws.catalog()
     name = queue.get_service(catalog, model_name).model_name
     reconcile(ws.root, catalog, name)
     tags = get_version(ws.root, name, version).tags

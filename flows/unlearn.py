@@ -27,7 +27,7 @@ from flows.runtime import kill_point
 from flows.workspace import Workspace
 from grom_core.profiling import Timings
 from tasks import steps
-from tasks.catalog import Catalog, now, record_run
+from tasks.catalog import now, record_run
 from tasks.names import safe_name
 from tasks.plots import influence_plot, layer_scores_plot
 from tasks.records import EvaluationSpec, Outcome
@@ -66,7 +66,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     name = check_model_name(model_name or (f"grom-{evaluation.benchmark}-{evaluation.split}"
                                            if evaluation and evaluation.benchmark
                                            else f"grom-{safe_name(Path(model).name)}"))
-    reconcile(ws.root, Catalog(ws.root / "catalog.duckdb"), name)  # what a killed run of this name left behind
+    reconcile(ws.root, ws.catalog(), name)  # what a killed run of this name left behind
     started, timings = now(), Timings(log, after_stage=kill_point)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
@@ -157,7 +157,7 @@ def _input(dataset) -> dict:
 @task(name="commit", cache_policy=NO_CACHE)
 def commit(ws: Workspace, rows: dict, also=None) -> None:
     """The commit point: every catalog row of the run in one DuckDB transaction (`also(con)` writes more)."""
-    record_run(Catalog(ws.root / "catalog.duckdb"), rows, also=also)
+    record_run(ws.catalog(), rows, also=also)
 
 
 def write_report(outcome: Outcome, timings: dict) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grom_core.errors import GromError
+
+if TYPE_CHECKING:
+    from tasks.catalog import Catalog
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,12 @@ class Workspace:
 
         relocate(root)  # a copied or moved workspace never reads or writes into the one it came from
         return cls(root)
+
+    def catalog(self) -> Catalog:
+        """The workspace's DuckDB catalog (runs, datasets, requests)."""
+        from tasks.catalog import Catalog
+
+        return Catalog(self.root / "catalog.duckdb")
 
     @property
     def models(self) -> Path:
