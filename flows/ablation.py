@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from flows.bench import evaluate_with_attacks
+from flows.bench import attack_kit, evaluate_with_attacks, split_attacks
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
@@ -28,8 +28,8 @@ from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import Example, as_examples
 from grom_core.edit import Edit
 from grom_core.errors import DataError
+from grom_core.gradient.methods import TrainerParams
 from grom_core.profiling import measure
-from grom_core.quantization import quantizers as available_quantizers
 from grom_core.statistics import MemoryStatsStore
 from tasks.records import EvaluationSpec
 from tasks.steps import evaluate_loaded, load_for_edit
@@ -150,16 +150,17 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
                  attacks: Sequence[str] = ()) -> dict:
     """Evaluate every ablation row (or those named in `rows`), then a `custom_row` for each of `custom` (given
     alone, they replace the full list), on the benchmark's target model (of the benchmark's data with `config`'s
-    fields, see `sized_config`), and again after each quantization round trip in `attacks` (names of
-    grom_core.quantization.quantizers), so that a row whose edit is scaled down shows whether its forgetting
-    survives. Unknown row names, parameters and attacks are refused before any work; an attack this machine cannot
-    run (bitsandbytes missing) is left out with a warning.
+    fields, see `sized_config`), and again after each attack in `attacks` (quantization round trips, names of
+    grom_core.quantization.quantizers, and attacks that read around the edit, grom_core.attacks.ATTACKS), so that
+    a row shows whether its forgetting survives them. Unknown row names, parameters and attacks are refused before
+    any work; an attack this machine cannot run (bitsandbytes missing) is left out with a warning.
 
     Returns {"benchmark", "split", "columns" (the benchmark's table metrics), "forget_metric" (the one whose
     recovery is reported), "attacks" (those run), "before" (the unedited model's metrics), "rows": [{"name",
     "why", "params", "seconds", "layers", "forget_positions", "logit_drop", "metrics", "quantized" (attack ->
-    metrics with "recovery_<forget_metric>": after the round trip minus before it), "same_weights_as" (the
-    earlier row whose edit gave the model the same weights, whose evaluation the row shares; None)}]}.
+    metrics with "recovery_<forget_metric>": after the attack minus before it, and "recovery", the headline
+    one), "same_weights_as" (the earlier row whose edit gave the model the same weights, whose evaluation the row
+    shares; None)}]}.
     """
     bench = get_benchmark(benchmark)
     chosen = [r for r in ABLATIONS if (rows is None and not custom) or r.name in (rows or ())]
@@ -172,13 +173,14 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
     for row in own:
         ablation_params(base, row, base.target, 1)  # a ParamsError names the field now, not after a build
     chosen += own
-    quants = attack_specs(attacks)
+    quants, reading = split_attacks(attacks)
     ws = Workspace.resolve(home)
     built = build_benchmark(benchmark, None, str(ws.root), split, config=sized_config(benchmark, authors, config))
     forget, retain = built.unlearning_inputs()
     spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
                           splits={k: str(v) for k, v in built.splits.items()})
     model, tokenizer = load_for_edit(str(built.models["target"]))
+    kit = attack_kit(model, tokenizer, spec, bench, forget, retain, TrainerParams.from_dict(bench.trainer))
     before = evaluate_loaded(model, tokenizer, spec)
     store = MemoryStatsStore()  # retain statistics shared by rows that edit the same modules
     out = []
@@ -194,7 +196,8 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
         first = evaluated.get(digest)
         if first is None:
             with run.edit.applied(model):
-                metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
+                metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget, kit,
+                                                          reading)
         else:  # the same weights as an earlier row (a change that is a no-op on this data): the same figures
             metrics, attacked = first["metrics"], first["quantized"]
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
@@ -208,24 +211,10 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table[:3]
                            if isinstance(metrics.get(k), float)))
     return {"benchmark": benchmark, "split": built.split, "columns": list(bench.metrics.table),
-            "forget_metric": bench.metrics.forget, "attacks": list(quants), "before": before, "rows": out}
+            "forget_metric": bench.metrics.forget, "attacks": [*quants, *reading], "before": before, "rows": out}
 
 
 def weights_digest(edit: Edit) -> str:
     """A hash over the edit's factor bytes alone (not its parameters): two rows with the same digest give the
     model the same weights, so their evaluations are the same."""
     return Edit(deltas=edit.deltas, base_fingerprint=edit.base_fingerprint).edit_id
-
-
-def attack_specs(names: Sequence[str]) -> dict:
-    """name -> QuantSpec for the attacks in `names` that run here; a name no machine knows is a DataError."""
-    known = available_quantizers(available=True)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise DataError(f"no quantization attack named {', '.join(map(repr, unknown))}; attacks: "
-                        f"{', '.join(known)}")
-    here = available_quantizers()
-    missing = [n for n in names if n not in here]
-    if missing:
-        log.warning("not run (bitsandbytes unavailable): %s", ", ".join(missing))
-    return {n: here[n] for n in dict.fromkeys(names) if n in here}

@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
-from grom_core.adapter import ModelAdapter
+from grom_core.adapter import ModelAdapter, weight_out_in
+from grom_core.attacks import ATTACKS, AttackKit, RelearnRecipe, headline_recovery, recoveries
 from grom_core.benchmarks.registry import Benchmark, get_benchmark
 from grom_core.capture import model_device
 from grom_core.data import as_examples, make_batches
+from grom_core.errors import DataError
 from grom_core.gradient.methods import TrainerParams
 from grom_core.methods import DEFAULT_METHOD, Method, MethodContext, get_method
 from grom_core.params import Params
@@ -35,20 +37,53 @@ from tasks.steps import evaluate_loaded, load_for_edit
 log = logging.getLogger("grom.bench")
 
 DEFAULT_METHODS = ("grom", "ga:sum", "npo:sum", "npo:sago", "simnpo:sum", "simnpo:sago")
+DEFAULT_ATTACKS = ("fp4", "nf4", "head_swap", "logit_lens", "relearn")
 
 
-def evaluate_with_attacks(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: str
-                          ) -> tuple[dict, dict]:
-    """The model's metrics, and after each quantization round trip of `quants` (name -> QuantSpec) its metrics
-    with "recovery_<forget_key>" (after the round trip minus before it)."""
+def evaluate_with_attacks(model, tokenizer, spec: EvaluationSpec, quants: dict, forget_key: str,
+                          kit: AttackKit | None = None, reading: Sequence[str] = ()) -> tuple[dict, dict]:
+    """The model's metrics, and after each attack its metrics with "recovery_<metric>" (after the attack minus
+    before it) and "recovery" (the headline one, `attacks.headline_recovery`): each quantization round trip of
+    `quants` (name -> QuantSpec), then each attack in `reading` that reads around the edit (grom_core.attacks,
+    run by `kit`)."""
     metrics = evaluate_loaded(model, tokenizer, spec)
+    keys = (forget_key, *(kit.recovery if kit else ()))
     out = {}
     for name, q in quants.items():
         with quantized(model, q):
             out[name] = evaluate_loaded(model, tokenizer, spec)
-        if isinstance(out[name].get(forget_key), float) and isinstance(metrics.get(forget_key), float):
-            out[name][f"recovery_{forget_key}"] = out[name][forget_key] - metrics[forget_key]
+        out[name].update(recoveries(out[name], metrics, keys))
+        out[name]["recovery"] = headline_recovery(out[name], keys)
+    for name in reading:
+        out[name] = kit.run(name, model, tokenizer, metrics)
     return metrics, out
+
+
+def attack_kit(model, tokenizer, spec: EvaluationSpec, bench: Benchmark, forget, retain,
+               recipe: TrainerParams) -> AttackKit:
+    """The attacks that read around an edit, for `model` as it is now (unedited: its head is the base head), on
+    the benchmark's evaluation; the relearning attack at the gradient recipe's step size."""
+    head = model.get_output_embeddings()
+    return AttackKit(base_head=weight_out_in(head).detach().clone(), forget=as_examples(forget),
+                     retain=as_examples(retain), evaluate=lambda: evaluate_loaded(model, tokenizer, spec),
+                     recovery=(bench.metrics.forget, *bench.metrics.recovery), prompt_format=bench.prompt_format,
+                     recipe=RelearnRecipe(lr=recipe.lr, seed=recipe.seed))
+
+
+def split_attacks(names: Sequence[str]) -> tuple[dict, tuple[str, ...]]:
+    """(quantization attacks that run here: name -> QuantSpec, attacks that read around the edit) of `names`; a
+    name no machine knows is a DataError, one this machine cannot run (bitsandbytes missing) is left out with a
+    warning."""
+    known = quantizers(available=True)
+    unknown = [n for n in names if n not in known and n not in ATTACKS]
+    if unknown:
+        raise DataError(f"no attack named {', '.join(map(repr, unknown))}; attacks: {', '.join([*known, *ATTACKS])}")
+    here = quantizers()
+    missing = [n for n in names if n in known and n not in here]
+    if missing:
+        log.warning("not run (bitsandbytes unavailable): %s", ", ".join(missing))
+    names = list(dict.fromkeys(names))
+    return {n: here[n] for n in names if n in here}, tuple(n for n in names if n in ATTACKS)
 
 
 def parse_entry(entry: str, bench: Benchmark, trainer: dict | None = None) -> tuple[Method, Params, str]:
@@ -156,12 +191,14 @@ def solve_scaling(sizes=(128, 256, 512, 1024, 2048), s: int = 256, m: int = 256)
 
 
 def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str | None = None,
-              methods: tuple[str, ...] = DEFAULT_METHODS, quant_names: tuple[str, ...] = ("fp4", "nf4"),
+              methods: tuple[str, ...] = DEFAULT_METHODS, attacks: tuple[str, ...] = DEFAULT_ATTACKS,
               trainer: dict | None = None, authors: int | None = None,
               config: Mapping[str, object] | None = None) -> dict:
     """Run `methods` ("name" or "name:compose", names from the method registry) on the benchmark's target model;
     returns the table as `rows`. A method that uses retain statistics is run twice: computing them, then with
-    them cached (`cached_stats`). `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods;
+    them cached (`cached_stats`). `attacks`: quantization round trips (grom_core.quantization) and attacks that read
+    around the edit (grom_core.attacks.ATTACKS), each run on every method's edit: a row's "quantized" holds the
+    first, its "attacks" both. `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods;
     `config`: fields of the benchmark's configuration (a variant of its data, built apart)."""
     bench = get_benchmark(benchmark)
     entries = [parse_entry(e, bench, trainer) for e in methods]  # all checked before any work
@@ -171,9 +208,9 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     forget, retain = built.unlearning_inputs()
     spec = EvaluationSpec(benchmark=benchmark, split=built.split, reference=str(reference_path(built)),
                           splits={k: str(v) for k, v in built.splits.items()})
-    available = quantizers()
-    quants = {n: available[n] for n in quant_names if n in available}
+    quants, reading = split_attacks(attacks)
     model, tokenizer = load_for_edit(str(built.models["target"]))  # a tied LM head is untied (a no-op)
+    kit = attack_kit(model, tokenizer, spec, bench, forget, retain, recipe)
     before, _ = evaluate_with_attacks(model, tokenizer, spec, {}, bench.metrics.forget)
     rows = []
     for method, params, label in entries:
@@ -187,12 +224,14 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
                 run = method.run(model, tokenizer, forget, retain, params, context)
             costs.append((warm, True))
         with run.edit.applied(model):
-            metrics, qmetrics = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget)
+            metrics, attacked = evaluate_with_attacks(model, tokenizer, spec, quants, bench.metrics.forget, kit,
+                                                      reading)
+        qmetrics = {name: attacked[name] for name in quants}
         for measured, cached in costs:
             rows.append({"method": method.name, "label": label, "compose": getattr(params, "compose", None),
                          "cached_stats": cached, "seconds": measured.seconds, "peak_rss_mb": measured.peak_rss_mb,
                          "modules": run.edit.modules, "steps": run.steps, "forward_passes": run.forward_passes,
-                         "metrics": metrics, "quantized": qmetrics})
+                         "metrics": metrics, "quantized": qmetrics, "attacks": attacked})
         log.info("bench %s: %.2f s, %s", label, cost.seconds,
                  ", ".join(f"{k} {metrics[k]:.3g}" for k in bench.metrics.table if isinstance(metrics.get(k), float)))
     # the floor: one forward pass over the forget data and one over the retain data, the least a method that
@@ -221,7 +260,8 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
               "columns": list(bench.metrics.table[:bench.metrics.shown]), "throughput": throughput,
               "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,
-              "quantizers": list(quants), "trainer": recipe.to_dict(), "config": dict(config or {})}
+              "quantizers": list(quants), "attacks": [*quants, *reading], "trainer": recipe.to_dict(),
+              "config": dict(config or {})}
     # the build's folder name carries its configuration's digest: a variant's plot does not replace the benchmark's
     plot = ws.root / "bench" / f"pareto-{built.root.name}-{built.split}.png"
     result["plot"] = str(pareto_plot(rows, plot, bench.metrics.utility, bench.metrics.forget))
@@ -264,7 +304,7 @@ def log_bench(root: Path, result: dict) -> dict:
     configure(root)
     with mlflow.start_run(run_name=f"bench-{result['benchmark']}-{result['split']}") as parent:
         mlflow.log_params({"benchmark": result["benchmark"], "split": result["split"],
-                           "quantizers": ",".join(result["quantizers"]),
+                           "attacks": ",".join(result["attacks"]),
                            **{f"config.{k}": v for k, v in result["config"].items()}})
         mlflow.log_metrics({f"throughput.{k}": v for k, v in result["throughput"].items()})
         mlflow.log_artifact(result["plot"], artifact_path="plots")
@@ -275,7 +315,7 @@ def log_bench(root: Path, result: dict) -> dict:
                 mlflow.log_params({"method": row["method"], "compose": row["compose"],
                                    "cached_stats": row["cached_stats"]})
                 numbers = {k: v for k, v in row["metrics"].items() if isinstance(v, int | float)}
-                for q, m in row["quantized"].items():
+                for q, m in row["attacks"].items():
                     numbers.update({f"{q}.{k}": v for k, v in m.items() if isinstance(v, int | float)})
                 numbers.update({"seconds": row["seconds"], "peak_rss_mb": row["peak_rss_mb"], "steps": row["steps"]})
                 mlflow.log_metrics(numbers)

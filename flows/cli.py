@@ -250,9 +250,12 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list; methods: " +
                                               ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
                                                                             "simnpo:sum,simnpo:sago"),
-    quantizers: Annotated[str | None, typer.Option(help="Comma-separated attacks: fp4, nf4, int8, rtn4, gguf_q4_1, "
-                                                        "fp4_head_kept (default fp4,nf4; with --ablation, none).")
-                          ] = None,
+    attacks: Annotated[str | None, typer.Option(help="Comma-separated attacks: quantization round trips (fp4, nf4, "
+                                                     "int8, rtn4, gguf_q4_1, fp4_head_kept) and attacks that read "
+                                                     "around the edit (head_swap, logit_lens, relearn, "
+                                                     "relearn_retain); default fp4,nf4,head_swap,logit_lens,relearn; "
+                                                     "with --ablation, none.")] = None,
+    quantizers: Annotated[str | None, typer.Option(help="The former name of --attacks.")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Epochs of the gradient methods (default: the "
                                                           "benchmark's recipe, TOFU's 10).")] = None,
     authors: Annotated[int | None, typer.Option(min=10, help="minitofu size (default 50 authors).")] = None,
@@ -267,25 +270,29 @@ def bench(
     as_json: JsonOpt = False,
 ) -> None:
     """Every method side by side on one target model: time, memory, quality, and quality after quantization."""
-    from flows.bench import run_bench
+    from flows.bench import DEFAULT_ATTACKS, run_bench
 
     setup_logging(True)
     variant = json_option(config, "--config")
     own = json_objects(params, "--params")
+    if attacks is not None and quantizers is not None:
+        raise DataError("--quantizers is the former name of --attacks: give one of them")
+    attacks = attacks if attacks is not None else quantizers
     if ablation:
         chosen = tuple(r.strip() for r in rows.split(",") if r.strip()) if rows else None
-        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant, own, _names(quantizers or ""))
+        _ablation_table(home, benchmark, split, authors, as_json, chosen, variant, own, _names(attacks or ""))
         return
     if own or rows:
         raise DataError("--rows and --params choose ablation rows: add --ablation (the methods' rows take each "
                         "benchmark's own parameters)")
     result = run_bench(home, benchmark, split, tuple(m.strip() for m in methods.split(",") if m.strip()),
-                       _names("fp4,nf4" if quantizers is None else quantizers),
+                       DEFAULT_ATTACKS if attacks is None else _names(attacks),
                        {"epochs": epochs} if epochs else None, authors=authors, config=variant)
     table = Table(title=f"grom bench: {benchmark} {result['split']}")
     quants, columns = result["quantizers"], result["columns"]
+    reading = [a for a in result["attacks"] if a not in quants]
     for column in ("method", "cached", "seconds", "x closed form", "x floor", "step x plain", "peak MB", *columns,
-                   *[f"{q} {k}" for q in quants for k in columns]):
+                   *[f"{q} {k}" for q in quants for k in columns], *[f"{a} recovery" for a in reading]):
         table.add_column(column)
     for row in result["rows"]:
         cells = [row["label"], fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
@@ -294,6 +301,7 @@ def bench(
                  *[fmt(row["metrics"].get(k)) for k in columns]]
         for q in quants:
             cells += [fmt(row["quantized"].get(q, {}).get(k)) for k in columns]
+        cells += [fmt(row["attacks"].get(a, {}).get("recovery")) for a in reading]
         table.add_row(*cells)
     t = result["throughput"]
     table.caption = (f"floor (one forward pass over forget and retain data) {result['floor_seconds']:.2f} s; key "
@@ -313,11 +321,10 @@ def _ablation_table(home: str | None, benchmark: str, split: str | None, authors
     result = run_ablation(home, benchmark, split, rows, authors=authors, config=config, custom=custom,
                           attacks=attacks)
     columns = result["columns"][:4]  # the headline metrics; --json has them all
-    recovered = f"recovery_{result['forget_metric']}"
     table = Table(title=f"grom bench --ablation: {benchmark} {result['split']}")
     for column in ("row", "seconds", "layers", "logit drop asked / got", "budget scale (damage)",
                    "forget target scale (probability)", *columns,
-                   *[f"{q} {result['forget_metric']} recovery" for q in result["attacks"]]):
+                   *[f"{q} recovery" for q in result["attacks"]]):
         table.add_column(column)
     table.add_row("unedited", "", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns],
                   *["" for _ in result["attacks"]])
@@ -329,7 +336,7 @@ def _ablation_table(home: str | None, benchmark: str, split: str | None, authors
         same = f" (same weights as {row['same_weights_as']})" if row["same_weights_as"] else ""
         table.add_row(row["name"] + same, f"{row['seconds']:.2f}", ",".join(map(str, row["layers"])), drops, budget,
                       aimed, *[fmt(row["metrics"].get(k)) for k in columns],
-                      *[fmt(row["quantized"][q].get(recovered)) for q in result["attacks"]])
+                      *[fmt(row["quantized"][q].get("recovery")) for q in result["attacks"]])
     emit(result, as_json, table)
 
 

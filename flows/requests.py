@@ -1,6 +1,6 @@
 """The `process-deletion-requests` flow: reconcile -> claim pending requests -> unlearn them in one edit on the
-version in service -> evaluate and attack with quantization -> gates -> register (promoted or not) -> mark the
-requests done or for review, in one catalog transaction -> purge their raw text.
+version in service -> evaluate, attack with quantization and read around the edit -> gates -> register (promoted
+or not) -> mark the requests done or for review, in one catalog transaction -> purge their raw text.
 
 Crash safety: the catalog transaction is the commit point. A version registered by a run that died before it
 (MLflow has it, the catalog does not) is an orphan: the next run moves the alias back and deletes it, and takes
@@ -84,10 +84,13 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
     evaluation = dict(service.evaluation)
     quantizers = evaluation.pop("quantizers", None)
+    attacks = evaluation.pop("attacks", None)
     outcome = compute(timings, ws, model=loaded, forget=str(batch), retain=service.retain_path,
                       method=service.method, params=service.params, evaluation=None, quantizers=quantizers,
-                      max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format)
-    reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized)
+                      max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format,
+                      attacks=attacks)
+    reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized,
+                                                   outcome.attacks)
     promoted = not reasons
     tags = {"grom.kind": "request", "grom.owner": owner, "parent_version": parent, "promoted": str(promoted).lower(),
             "request_ids": ",".join(map(str, ids))}

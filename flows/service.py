@@ -35,7 +35,8 @@ from tasks.versions import FULL, SAME, STORAGE_TAG, materialize, storage, versio
 
 log = logging.getLogger("grom.service")
 
-DEFAULT_EVALUATION = {"max_examples": 200, "quantizers": ["fp4", "nf4"]}
+DEFAULT_EVALUATION = {"max_examples": 200, "quantizers": ["fp4", "nf4"],
+                      "attacks": ["head_swap", "logit_lens", "relearn"]}
 
 
 def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,

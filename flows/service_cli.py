@@ -125,7 +125,8 @@ def model_register(
     method: MethodOpt = DEFAULT_METHOD,
     params: Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 80}.')] = None,
     evaluation: Annotated[str | None, typer.Option(help='Evaluation settings as JSON: {"max_examples": 200, '
-                                                        '"quantizers": ["fp4", "nf4"]}.')] = None,
+                                                        '"quantizers": ["fp4", "nf4"], "attacks": ["head_swap", '
+                                                        '"logit_lens", "relearn"]}.')] = None,
     prompt_format: Annotated[str, typer.Option(help="How the service's QA pairs become text: qa, completion (a "
                                                     "pretrained base model) or chat.")] = "qa",
     home: HomeOpt = None,

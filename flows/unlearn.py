@@ -2,7 +2,7 @@
 
     ingest -> load the model (once) -> unlearn (the method: for GROM layer scores, retain statistics (cached),
            solve) -> evaluate before -> apply and save -> influence audit -> evaluate after
-           -> quantization attack -> report
+           -> quantization attack -> attacks that read around the edit -> report
            -> register (MLflow: the edit over the version holding the unedited weights) and commit (DuckDB
               catalog), one Prefect transaction
 
@@ -57,8 +57,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
         workers: shard the retain statistics over a local Dask cluster of this many processes (0: in process).
         dask_address: an existing Dask scheduler (tcp://host:8786) instead.
         tags: extra tags for the MLflow run and model version (e.g. deletion request ids).
-        quantization: run the quantization recovery attack on the edited model and report it under
-            metrics.quantized.
+        quantization: run the robustness checks on the edited model: the quantization recovery attacks (reported
+            under metrics.quantized) and the attacks that read around the edit (metrics.attacks).
         prompt_format: how the data's QA pairs become text, for the keys, the targets and the own-data metrics:
             qa, completion (a pretrained base model's) or chat (grom_core.data.PROMPT_FORMATS).
     """
@@ -70,7 +70,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     started, timings = now(), Timings(log, after_stage=kill_point)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
-                      quantizers=None if quantization else [], prompt_format=prompt_format)
+                      quantizers=None if quantization else [], prompt_format=prompt_format,
+                      attacks=None if quantization else [])
     with transaction():
         registration = timings.run("register", register_outcome, ws, outcome, name=name,
                                    tags={"grom.kind": "unlearn", "grom.owner": claim_owner(), **(tags or {})},
@@ -85,13 +86,14 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
 def compute(timings: Timings, ws: Workspace, *, model: str | steps.LoadedModel, forget: str, retain: str,
             method: str, params: dict, evaluation: EvaluationSpec | None, workers: int = 0,
             dask_address: str | None = None, quantizers: list[str] | None = None, max_examples: int = 200,
-            prompt_format: str = "qa") -> Outcome:
+            prompt_format: str = "qa", attacks: list[str] | None = None) -> Outcome:
     """Everything before registration. Writes only content-addressed files under the workspace's lake, edits
     and models folders, so a failure here leaves the catalog and the registry untouched.
 
     `model`: a folder, loaded once here, or a model the caller loaded (`steps.load`); either way the tasks share
-    one copy, edited in place by `apply_and_save`. `quantizers`: the attacks to run (None: every available one;
-    []: none). `max_examples`: the own-data evaluation's size when `evaluation` is None."""
+    one copy, edited in place by `apply_and_save`. `quantizers`: the quantization attacks to run (None: every
+    available one; []: none); `attacks`: those that read around the edit (grom_core.attacks; None:
+    `steps.READING_ATTACKS`; []: none). `max_examples`: the own-data evaluation's size when `evaluation` is None."""
     lake_root = str(ws.root / "lake")
     data = timings.run("ingest", steps.ingest, forget, retain, lake_root)
     loaded = model if isinstance(model, steps.LoadedModel) else timings.run("load", steps.load, model)
@@ -104,13 +106,16 @@ def compute(timings: Timings, ws: Workspace, *, model: str | steps.LoadedModel, 
     edited = timings.run("apply_and_save", steps.apply_and_save, loaded, unlearned, str(ws.models))
     audit = timings.run("influence", steps.influence_audit, unlearned, data, lake_root)
     after = timings.run("evaluate_after", steps.evaluate, loaded, spec, cache_root)
-    quantized = {}
+    quantized, read = {}, {}
     if quantizers != []:
         quantized = timings.run("quantization", steps.quantization_check, loaded, unlearned, spec,
                                 dict(after.metrics), quantizers)
+    if attacks != []:
+        read = timings.run("read_around", steps.read_around, loaded, data, spec, dict(after.metrics), attacks)
     plots = ws.root / "lake" / "plots" / unlearned.edit_id
     outcome = Outcome(model=loaded.model_dir, ingested=data, unlearned=unlearned, edited=edited, audit=audit,
-                      before=before.metrics, after=after.metrics, quantized=quantized, plots=str(plots))
+                      before=before.metrics, after=after.metrics, quantized=quantized, plots=str(plots),
+                      attacks=read)
     write_report(outcome, timings.seconds)
     return outcome
 
@@ -179,6 +184,12 @@ def write_report(outcome: Outcome, timings: dict) -> None:
     for key in outcome.before:
         if isinstance(outcome.before[key], int | float) or isinstance(outcome.after.get(key), int | float):
             lines.append(f"| {key} | {fmt(outcome.before[key])} | {fmt(outcome.after.get(key))} |")
+    attacked = {**outcome.quantized, **outcome.attacks}
+    if attacked:
+        lines += ["", "Robustness: the forget metric each attack gives back (after the attack minus after the edit; "
+                  "quantization rounds the weights, the others read around the edit).", "",
+                  "| attack | recovery |", "|---|---|"]
+        lines += [f"| {name} | {fmt(got.get('recovery'))} |" for name, got in attacked.items()]
     lines += ["", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in {**timings, **u.timings_s}.items()]
     (plots / "report.md").write_text("\n".join(lines) + "\n")

@@ -93,19 +93,33 @@ def lens_layers(num_layers: int, count: int = 4) -> list[int]:
     return sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
 
 
-def split_halves(examples: Sequence[Example], seed: int = 0) -> tuple[list[Example], list[Example]]:
-    """(trained on, held out): the forget examples in two halves that share no fact, grouped by subject where the
-    rows name one, else by answer (three phrasings of one capital are one group), else one group per row."""
+MIN_RELEARN_FACTS = 2
+
+
+def _fact_groups(examples: Sequence[Example]) -> dict[str, list[Example]]:
     groups: dict[str, list[Example]] = {}
     for i, ex in enumerate(examples):
         key = (f"subject:{ex.subject}" if ex.subject else f"answer:{ex.answer.strip().lower()}" if ex.answer
                else f"row:{i}")
         groups.setdefault(key, []).append(ex)
+    return groups
+
+
+def fact_count(examples: Sequence[Example]) -> int:
+    """How many facts the forget rows hold, as `split_halves` groups them."""
+    return len(_fact_groups(examples))
+
+
+def split_halves(examples: Sequence[Example], seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """(trained on, held out): the forget examples in two halves that share no fact, grouped by subject where the
+    rows name one, else by answer (three phrasings of one capital are one group), else one group per row."""
+    groups = _fact_groups(examples)
     keys = list(groups)
     random.Random(seed).shuffle(keys)
     half = len(keys) // 2
     if half == 0:
-        raise ValueError("the relearning attack needs forget data of at least two facts (subjects, answers or rows)")
+        raise ValueError(f"the relearning attack needs forget data of at least {MIN_RELEARN_FACTS} facts "
+                         "(subjects, answers or rows): it trains on one half and reads the other")
     return ([ex for k in keys[:half] for ex in groups[k]], [ex for k in keys[half:] for ex in groups[k]])
 
 
@@ -241,6 +255,9 @@ class AttackKit:
             out = self._relearn(name, model, tokenizer)
         else:
             raise ValueError(f"unknown attack '{name}'; known: {', '.join(ATTACKS)}")
+        if "skipped" in out:
+            log.info("%s skipped: %s", name, out["skipped"])
+            return {**out, "recovery": None}
         return {**out, "recovery": headline_recovery(out, self.recovery)}
 
     def _lens(self, model: nn.Module, edited: Mapping[str, object]) -> dict:
@@ -263,7 +280,13 @@ class AttackKit:
     def _relearn(self, name: str, model: nn.Module, tokenizer) -> dict:
         """Fine-tune on one half of the forget facts (or, `relearn_retain`, on retain rows only), read the other
         half before and after."""
-        trained, heldout = split_halves(list(self.forget), self.recipe.seed)
+        if name == RELEARN and fact_count(self.forget) < MIN_RELEARN_FACTS:
+            return {"skipped": f"{name} needs forget data of at least {MIN_RELEARN_FACTS} facts (subjects, answers "
+                               f"or rows) to train on one half and read the other; this forget set holds one"}
+        if fact_count(self.forget) >= MIN_RELEARN_FACTS:  # both attacks read the same held-out half
+            trained, heldout = split_halves(list(self.forget), self.recipe.seed)
+        else:  # relearn_retain on a single fact: it is held out whole
+            trained, heldout = [], list(self.forget)
         rows = trained if name == RELEARN else list(self.retain)
         if not rows:
             raise ValueError(f"the {name} attack needs {'forget' if name == RELEARN else 'retain'} rows to train on")

@@ -59,6 +59,8 @@ from grom_core.targets import (
     TokenDrops,
     lm_head_suppression,
     margin_beta,
+    project_out,
+    protected_tokens,
     representation_corruption,
     residual_suppression,
     specificity_weights,
@@ -82,10 +84,9 @@ class GromParams(Params):
         layers: layers whose down-projection is edited; [] edits the LM head alone (suppression with
             `edit_lm_head`). None picks a band by logit-lens attribution, or every layer for sentence drops (what
             a model memorised word for word is not held in one band: on minimuse the attributed band of two
-            forgets less at the same retain budget, README), or none at all for counterfactual drops pooled by
-            subject, which the LM head lowers alone (see `scope`). For specificity drops under a retain budget the
-            band and head and the head alone are both solved, and the one that forgets more within the budget is
-            kept (see `compare_placements`).
+            forgets less at the same retain budget, README). Under a retain budget the band is solved first and
+            scaled to the budget on its own, and the LM head then lowers what it left (`solve_body_first`): what
+            the band removes is gone for any reader of the body (grom_core.attacks), what the head adds is not.
         band_width: number of contiguous layers in the automatic band.
         late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression targets only).
@@ -125,14 +126,18 @@ class GromParams(Params):
             its subject, by the largest drop asked of it there: the same bag at every position of a subject, which
             the edit can only meet through what those keys share, the subject, so the facts also drop in phrasings
             the solve never saw; see targets.TokenDrops.over_groups). The LM head lowers the bag (its rows are
-            the tokens: no other token's logit changes anywhere); with `layers` None no layer is edited, with
-            named layers they lower each position's own token first, and without the head they carry the bag.
+            the tokens: no other token's logit changes anywhere); the band's layers lower each position's own token
+            first, and without the head they carry the bag.
         swaps: sentence drops: how many retain questions (those sharing the most words with it) each forget
             question is swapped for to rate its answer as the same kind of question about something else would;
             0 rates it after an empty question (the answer to any question), as where the retain data asks none.
         min_gap: counterfactual and sentence drops: positions whose gap (before the gain) is smaller, in nats of
             log-odds, are not forget keys: the model rates their token about as it would for anyone (or from its
             sentence alone).
+        protect: suppression by a down-projection: how many retain answer tokens (those whose unembeddings are
+            most aligned with the tokens asked to drop, targets.protected_tokens) keep their logit-lens logits: the
+            residual change asked of the band is built orthogonal to their unembeddings, so that lowering one
+            capital does not lower the others its unembedding resembles. 0: none kept (the smallest change).
         retain_budget: suppression keyed at the answers (any drop kind): the largest mean increase of the retain
             answers' token NLL (nats per token, on `budget_examples` retain rows drawn with `seed`, their first 128
             tokens) the edit may cause; a larger edit is scaled down (alpha * P for every module, found by
@@ -185,6 +190,7 @@ class GromParams(Params):
     scope: str = "subject"
     swaps: int = 16
     min_gap: float = 0.5
+    protect: int = 0
     retain_budget: float | None = 0.04
     budget_examples: int = 32
     forget_target: float | None = None
@@ -216,6 +222,8 @@ class GromParams(Params):
             raise ParamsError(f"rename must be 'first' or 'whole', got '{self.rename}'")
         if self.scope not in ("position", "subject"):
             raise ParamsError(f"scope must be 'position' or 'subject', got '{self.scope}'")
+        if self.protect < 0:
+            raise ParamsError(f"protect counts tokens: need protect >= 0, got {self.protect}")
         if self.gain <= 0 or self.counterfactuals < 1 or self.swaps < 0 or self.min_gap < 0 or self.contexts < 0:
             raise ParamsError("need gain > 0, counterfactuals >= 1, contexts >= 0, swaps >= 0 and min_gap >= 0")
         if (self.retain_budget is not None and self.retain_budget <= 0) or self.budget_examples < 1:
@@ -322,10 +330,11 @@ class Prepared:
     drops_kind: str = "specificity"
     retain_sample: list[Batch] | None = None  # where the retain budget is measured (suppression at the answers)
     drop_groups: torch.Tensor | None = None  # (forget examples,) subject of each example, whose drops are pooled
-    # the forget rows, every answer token scored (forget_target, and comparing placements under a budget)
+    # the forget rows, every answer token scored (forget_target)
     forget_sample: list[Batch] | None = None
     beta: float | None = None  # specificity drops: the logit drop at specificity 1, params.beta or measured
     mean_margin: float | None = None  # where beta was measured: the forget answers' mean margin (nats)
+    retain_tokens: torch.Tensor | None = None  # (k,) the distinct retain answer tokens (candidates to protect)
 
 
 def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = GromParams(),
@@ -367,7 +376,7 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
         retain_sample = make_batches(tokenizer, rows, params.batch_size, min(params.max_length, 128), fmt=fmt,
                                      by_length=True)  # a mean over rows: any order, and a third of the padding
     forget_sample = None
-    if params.forget_target is not None or (retain_sample is not None and drops_kind == "specificity"):
+    if params.forget_target is not None:
         forget_sample = make_batches(tokenizer, forget_ex, params.batch_size, params.max_length, fmt=fmt)
     beta, mean_margin = params.beta, None
     if beta is None and keys != "answer":
@@ -385,6 +394,7 @@ def prepare(model: nn.Module, tokenizer, forget, retain, params: GromParams = Gr
                     retain_batches=retain_batches, weights=weights, drops=drops, drops_kind=drops_kind,
                     retain_sample=retain_sample, drop_groups=groups, forget_sample=forget_sample, beta=beta,
                     mean_margin=mean_margin,
+                    retain_tokens=torch.tensor(sorted(set(iter_answer_tokens(retain_batches))), dtype=torch.long),
                     fingerprint=fingerprint or weights_fingerprint(model),
                     forget_digest=data_digest(ex.record() for ex in forget_ex), retain_digest=retain_digest,
                     stats_digest=data_digest([{"retain": retain_digest, "max_length": params.max_length,
@@ -459,11 +469,8 @@ def resolve_keys_and_drops(params: GromParams, forget: Sequence[Example]) -> tup
 
 def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple[list[int], LayerScores | None]:
     """The manual layers, or every layer for sentence drops, or the best band by logit-lens attribution on the forget
-    data (with the scores), or none where the LM head lowers a subject's bag alone."""
+    data (with the scores)."""
     adapter = prep.adapter
-    if params.layers is None and prep.drop_groups is not None and params.edit_lm_head:
-        log.info("counterfactual drops pooled by subject: the LM head alone lowers them, no layer is edited")
-        return [], None
     if params.layers is not None:
         layers = sorted(set(params.layers))
         bad = [layer for layer in layers if not 0 <= layer < adapter.num_layers]
@@ -479,45 +486,39 @@ def select_layers(model: nn.Module, prep: Prepared, params: GromParams) -> tuple
     return layers, scores
 
 
-def head_alone_competes(prep: Prepared, params: GromParams, layers: Sequence[int]) -> bool:
-    """Whether the LM head alone is solved beside the attributed band: specificity drops at the answers, the
-    layers left to the library, and a retain budget to weigh both placements at (see `compare_placements`). A
-    forget target then scales the kept placement down from its budget's scale (`solve`)."""
-    return (params.layers is None and bool(layers) and prep.drops_kind == "specificity" and params.edit_lm_head
-            and params.target == "suppress" and prep.retain_sample is not None and prep.forget_sample is not None)
+def body_first(prep: Prepared, params: GromParams, layers: Sequence[int]) -> bool:
+    """Whether the band is solved before the LM head and scaled to the retain budget alone (`solve_body_first`):
+    the layers left to the library, suppression at the answers by specificity or counterfactual drops, the head
+    edited too, and a retain budget to scale the band at."""
+    return (params.layers is None and bool(layers) and prep.drops_kind in ("specificity", "counterfactual")
+            and params.edit_lm_head and params.target == "suppress" and prep.retain_sample is not None
+            and params.retain_budget is not None)
 
 
-def compare_placements(model: nn.Module, prep: Prepared, params: GromParams, band: Solved, alone: Solved
-                       ) -> tuple[str, dict, BudgetFit]:
-    """Which placement to keep, "band" (the band and head) or "head_alone", what was measured, and the kept one's
-    budget fit. Each full update's retain damage and rise of the forget answers' mean token NLL (nats) are read
-    (the model is left unchanged; the head alone's from the head's inputs, see grom_core.readout); of those that
-    fit the budget the one that forgets more is kept, and where neither fits, the one that costs the retain sample
-    less, scaled to fit. The band's forget rise is read only where the band fits (otherwise it cannot be kept
-    unscaled, and the comparison does not need it: None). Neither placement suits every model: a tiny model's
-    128-wide head cannot tell its forget keys from its retain keys, and the band forgets 6x more
-    (tests/test_closed_form.py); on SmolLM2 the band's full update costs the retain sample 3.2 nats (scaled to fit,
-    0.06 of it forgets nothing), the head alone's 0.002 (README, minirwku)."""
-    budget = float(params.retain_budget)
+def solve_body_first(model: nn.Module, prep: Prepared, params: GromParams, layers: list[int], modules: list[str],
+                     stats: dict[str, GramStats]) -> tuple[Solved, dict]:
+    """Removal before masking: the band's down-projections are solved for the whole drop as the unedited LM head
+    reads it (so what they remove is gone for any reader of the body, grom_core.attacks), scaled to the retain
+    budget on their own, and only then is the head solved, with the scaled band applied, for what the band left:
+    the head completes the forgetting, it never carries it alone where the band can carry any. A subject's bag is
+    still the head's to lower (the band lowers each position's own token). Returns the combined updates (the
+    band's scaled; `solve` fits the sum to the budget again) and what was measured."""
     head = prep.adapter.lm_head_name
-    retain, forget = NllProbe(model, prep.retain_sample, head), NllProbe(model, prep.forget_sample, head)
-    found = {}
-    for name, solved in (("head_alone", alone), ("band", band)):
-        damage = retain.rise(solved.deltas)
-        rise = forget.rise(solved.deltas) if name == "head_alone" or damage <= budget else None
-        found[name] = {"retain_damage": damage, "forget_nll_rise": rise}
-    fitting = [name for name in found if found[name]["retain_damage"] <= budget]
-    chosen = (max(fitting, key=lambda name: found[name]["forget_nll_rise"]) if fitting
-              else min(found, key=lambda name: found[name]["retain_damage"]))
-    band_rise = found["band"]["forget_nll_rise"]
-    log.info("placement: the band and head cost the retain sample %.4f nats and raise the forget answers' NLL by "
-             "%s, the head alone %.4f and %.3f (budget %.3g): %s", found["band"]["retain_damage"],
-             "(not read: over budget)" if band_rise is None else f"{band_rise:.3f}",
-             found["head_alone"]["retain_damage"], found["head_alone"]["forget_nll_rise"], budget,
-             chosen.replace("_", " "))
-    kept = band if chosen == "band" else alone
-    fit = fit_to_budget(retain, kept.deltas, budget, full=found[chosen]["retain_damage"])
-    return chosen, found, fit
+    band_modules = [m for m in modules if m != head]
+    band = solve_modules(model, prep, layers, band_modules, {m: stats[m] for m in band_modules}, params,
+                         head_follows=True)
+    fit = fit_to_budget(NllProbe(model, prep.retain_sample, head), band.deltas, float(params.retain_budget))
+    deltas = {name: d.scaled(fit.scale) for name, d in band.deltas.items()}
+    records = {name: dataclasses.replace(rec, targets=rec.targets * fit.scale) for name, rec in band.records.items()}
+    with Edit(deltas=deltas, base_fingerprint="").applied(model, verify=False):
+        rest = solve_modules(model, prep, [], [head], {head: stats[head]}, params)
+    log.info("body first: the band %s costs the retain sample %.4f nats at full size, kept at scale %.3f; the LM "
+             "head lowers the rest (mean drop asked %.3g)", layers, fit.damage_unscaled, fit.scale,
+             rest.achieved["asked_mean"])
+    measured = {"band_scale": fit.scale, "band_damage_unscaled": fit.damage_unscaled, "band_damage": fit.damage,
+                "band_logit_drop": band.achieved, "head_logit_drop": rest.achieved}
+    return Solved(deltas={**deltas, **rest.deltas}, records={**records, **rest.records},
+                  achieved=rest.achieved), measured
 
 
 def edited_modules(adapter: ModelAdapter, layers: Sequence[int], params: GromParams) -> list[str]:
@@ -583,10 +584,12 @@ class Solved:
 
 
 def solve_modules(model: nn.Module, prep: Prepared, layers: list[int], modules: list[str],
-                  stats: dict[str, GramStats], params: GromParams) -> Solved:
-    """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged."""
+                  stats: dict[str, GramStats], params: GromParams, head_follows: bool = False) -> Solved:
+    """Targets and closed-form solves of every module (see the module docstring); the model is left unchanged.
+    `head_follows`: the LM head is solved afterwards (`solve_body_first`), so a subject's bag is left to it."""
     solver = _SequentialSolver(model, prep.adapter, prep.forget_batches, prep.weights, params, stats, layers,
-                               prep.drops, prep.drop_groups, prep.beta)
+                               prep.drops, prep.drop_groups, prep.beta, head_follows=head_follows,
+                               retain_tokens=prep.retain_tokens)
     deltas, records = solver.solve(modules)
     return Solved(deltas=deltas, records=records, achieved=solver.achieved)
 
@@ -757,17 +760,10 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
         stats, reused = retain_statistics(model, prep, modules, retain_stats, store=stats_store,
                                           compute=compute_stats)
     with clock.stage("solve"):
-        if head_alone_competes(prep, params, layers):
-            head = prep.adapter.lm_head_name
-            band = solve_modules(model, prep, layers, modules, stats, params)
-            alone = solve_modules(model, prep, [], [head], {head: stats[head]}, params)
-            chosen, placement, fit = compare_placements(model, prep, params, band, alone)
-            if chosen == "head_alone":
-                layers, scores, modules, stats = [], None, [head], {head: stats[head]}
-                reused = [m for m in reused if m == head]
-            edit, records = solve(model, prep, layers, modules, stats, params, scores,
-                                  solved=band if chosen == "band" else alone, fit=fit)
-            edit.metadata["placement"] = {"chosen": chosen, **placement}
+        if body_first(prep, params, layers):
+            solved, placement = solve_body_first(model, prep, params, layers, modules, stats)
+            edit, records = solve(model, prep, layers, modules, stats, params, scores, solved=solved)
+            edit.metadata["placement"] = placement
         else:
             edit, records = solve(model, prep, layers, modules, stats, params, scores)
     run = GromRun(edit=edit, layers=layers, layer_scores=scores, retain_stats=stats, records=records,
@@ -792,12 +788,15 @@ class _SequentialSolver:
     def __init__(self, model, adapter: ModelAdapter, forget_batches: Sequence[Batch], weights: torch.Tensor,
                  params: GromParams, stats: dict[str, GramStats], layers: list[int],
                  drops: torch.Tensor | None = None, groups: torch.Tensor | None = None,
-                 beta: float | None = None) -> None:
+                 beta: float | None = None, head_follows: bool = False,
+                 retain_tokens: torch.Tensor | None = None) -> None:
         self.model, self.adapter, self.batches = model, adapter, forget_batches
+        self.retain_tokens = retain_tokens
         self.drops, self.groups = drops, groups
         self.beta = beta  # prepare() resolved it (params.beta or measured); None where the drops are measured
         self.weights, self.params, self.stats, self.layers = weights, params, stats, layers
         self.achieved: dict[str, float] = {}
+        self.head_follows = head_follows
 
     def _collect(self, modules: Sequence[str], edit: Edit | None):
         """Forget-side capture (with `edit` applied when given): keys of `modules`, the LM-head key (logits) and
@@ -829,7 +828,8 @@ class _SequentialSolver:
         solved = desired.entries() | own
         # a subject's bag is the LM head's to lower (its rows are the tokens); the layers below it, when any are
         # edited, lower only each position's own token: a residual change that lowers a whole bag moves far more
-        layer_entries = own if self.groups is not None and adapter.lm_head_name in modules else solved
+        bag_on_head = adapter.lm_head_name in modules or self.head_follows
+        layer_entries = own if self.groups is not None and bag_on_head else solved
         logits0 = _head_logits(adapter.lm_head, base.inputs[adapter.lm_head_name], desired.rows)
         deltas: dict[str, ModuleDelta] = {}
         records: dict[str, SolveRecord] = {}
@@ -899,4 +899,8 @@ class _SequentialSolver:
         if name == adapter.lm_head_name:
             return lm_head_suppression(share)
         scale = adapter.norm_scale(got.inputs[adapter.final_norm_name])
-        return None, residual_suppression(share, adapter.unembedding(share.rows), scale)
+        unembedding = adapter.unembedding(share.rows)
+        if self.params.protect and self.retain_tokens is not None:
+            kept = protected_tokens(share.rows, self.retain_tokens, adapter.unembedding, self.params.protect)
+            unembedding = project_out(unembedding, adapter.unembedding(kept))
+        return None, residual_suppression(share, unembedding, scale)

@@ -1,8 +1,9 @@
 """Promotion gates: may an edited model replace the version in service?
 
 An edit passes when the forget data is forgotten (absolute ROUGE-L ceiling, relative probability drop), the retain
-data is kept (relative floors on its probability and ROUGE-L), and no quantization attack brings the forget answers
-back. Gates read the flat metric dicts of `grom_core.benchmarks.owndata.evaluate_own` (or a benchmark's metrics).
+data is kept (relative floors on its probability and ROUGE-L), and no quantization attack, nor any attack that reads
+the model around the edit (grom_core.attacks), brings the forget answers back. Gates read the flat metric dicts of
+`grom_core.benchmarks.owndata.evaluate_own` (or a benchmark's metrics).
 
 The forget ROUGE-L ceiling reads the recall of what each answer adds to its question (`forget_added_rougeL_recall`)
 where the metrics have it, as the user's own data's do: a model that never saw a fact still restates the question,
@@ -49,6 +50,10 @@ class Gates:
         min_retain_rougeL_ratio: the retain answers keep at least this fraction of their ROUGE-L recall.
         max_quantized_recovery: no quantization attack raises the forget answers' ROUGE-L recall (texts only:
             their VerbMem) by more than this.
+        max_attack_recovery: no attack that reads around the edit (grom_core.attacks: the base head on the edited
+            model's hidden states, the logit lens, relearning) recovers more than this of its headline forget
+            metric (the same metric as the quantization gate's; for relearning, the held-out forget facts'
+            greedy accuracy, or for texts their probability): an edit that only hides the facts fails here.
     """
 
     max_forget_rougeL_recall: float | None = 0.5
@@ -57,6 +62,7 @@ class Gates:
     min_retain_probability_ratio: float | None = 0.8
     min_retain_rougeL_ratio: float | None = 0.9
     max_quantized_recovery: float | None = 0.1
+    max_attack_recovery: float | None = 0.1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -72,13 +78,16 @@ class Gates:
             raise DataError(f"unknown gates {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
         return cls(**values)
 
-    def check(self, before: dict, after: dict, quantized: dict | None = None) -> list[str]:
+    def check(self, before: dict, after: dict, quantized: dict | None = None, attacks: dict | None = None
+              ) -> list[str]:
         """The reasons the edit fails, one line each; an empty list means it passes.
 
         Args:
             before, after: flat metrics of the model in service and of the edited model, on the same data.
             quantized: attack name -> metrics of the edited model after that attack, with
                 `recovery_<forget metric>`; a key starting with "_" is a note (why an attack did not run).
+            attacks: attack name -> metrics of the edited model after an attack that reads around it, with its
+                headline `recovery` (grom_core.attacks.AttackKit.run).
         """
         reasons: list[str] = []
         qa = "forget_rougeL_recall" in before  # texts have no ROUGE-L, before the edit or after it
@@ -120,6 +129,27 @@ class Gates:
             # and the whole answer's recall counts more words than the added ones alone
             metric = "forget_rougeL_recall" if qa else FORGET_VERBATIM if texts else "forget_probability"
             reasons += self._quantization_reasons(quantized or {}, metric)
+        if self.max_attack_recovery is not None:
+            reasons += self._attack_reasons(attacks or {})
+        return reasons
+
+    def _attack_reasons(self, attacks: dict) -> list[str]:
+        if not attacks:
+            return ["read-around gate not measured: no attack that reads around the edit ran; run them (the "
+                    "service's evaluation 'attacks') or switch the gate off with max_attack_recovery null"]
+        ran = {k: v for k, v in attacks.items() if not (isinstance(v, dict) and v.get("skipped"))}
+        if not ran:
+            why = "; ".join(f"{k}: {v['skipped']}" for k, v in attacks.items())
+            return [f"read-around gate not measured: every attack was skipped ({why}); run one that applies or "
+                    "switch the gate off with max_attack_recovery null"]
+        reasons = []
+        for attack, metrics in ran.items():
+            recovery = metrics.get("recovery") if isinstance(metrics, dict) else None
+            if not _number(recovery):
+                reasons.append(_unmeasured(f"{attack} recovery", "recovery", recovery))
+            elif recovery > self.max_attack_recovery:
+                reasons.append(f"{attack} reads the forgotten data back: recovery {recovery:+.3f} > "
+                               f"{self.max_attack_recovery}")
         return reasons
 
     def _quantization_reasons(self, quantized: dict, metric: str) -> list[str]:

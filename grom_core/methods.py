@@ -164,6 +164,8 @@ METHODS: dict[str, Method] = {
                               "DPO towards 'I don't know' answers"),
     "altpo": gradient_method("altpo", f"{_GRADIENT}:AltPOParams", f"{_GRADIENT}:ALTPO",
                              "alternate preference optimisation: DPO towards in-domain alternative answers"),
+    "rmu": Method("rmu", "grom_core.gradient.rmu:RMUParams", "grom_core.gradient.rmu:run",
+                  "representation misdirection: forget activations of a middle layer pushed to a random vector"),
     "rome": Method("rome", "grom_core.editors.rome:RomeParams", "grom_core.editors.rome:run",
                    "rank-one edit of one layer per fact, v* giving the fact up"),
     "memit": Method("memit", "grom_core.editors.memit:MemitParams", "grom_core.editors.memit:run",

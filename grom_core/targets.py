@@ -154,6 +154,32 @@ def residual_suppression(drops: TokenDrops, unembedding: torch.Tensor, norm_scal
     return out
 
 
+def protected_tokens(asked: torch.Tensor, candidates: torch.Tensor, unembedding, count: int) -> torch.Tensor:
+    """The `count` tokens among `candidates` (retain answer tokens) not in `asked` whose unembeddings are most
+    aligned (largest |cosine|, over the asked tokens) with those asked to drop: the tokens a residual suppression
+    of the asked ones would drag along. `unembedding(ids)` -> (len(ids), hidden)."""
+    candidates = candidates[~torch.isin(candidates, asked.to(candidates.device))]
+    if count < 1 or candidates.numel() == 0 or asked.numel() == 0:
+        return candidates[:0]
+    u = torch.nn.functional.normalize(unembedding(asked).double().cpu(), dim=1)
+    c = torch.nn.functional.normalize(unembedding(candidates).double().cpu(), dim=1)
+    alignment = (c @ u.T).abs().amax(dim=1)
+    return candidates[alignment.argsort(descending=True)[:count]]
+
+
+def project_out(rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """`rows` (u, hidden) minus their projection on the span of `kept` (k, hidden), in float64. A residual change
+    built from the projected rows (residual_suppression) lowers the asked tokens by the same logit-lens drops and
+    leaves the logit of every kept token where it was (to first order, the final norm's scale held)."""
+    rows = rows.double().cpu()
+    if kept.numel() == 0:
+        return rows
+    q, r = torch.linalg.qr(kept.double().cpu().T)  # (hidden, k): an orthonormal basis of the kept rows' span
+    independent = r.diagonal().abs() > 1e-10 * r.diagonal().abs().max()
+    q = q[:, independent]
+    return rows - (rows @ q) @ q.T
+
+
 def margin_beta(tokens: torch.Tensor, margins: torch.Tensor, weights: torch.Tensor, per_margin: float
                 ) -> tuple[float, float]:
     """(beta, mean margin): `per_margin` times the mean margin of the forget answers' specific tokens.

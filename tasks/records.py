@@ -179,9 +179,11 @@ class Outcome:
     after: Mapping
     quantized: Mapping
     plots: str
+    attacks: Mapping = field(default_factory=dict)  # attack that reads around the edit -> metrics (read_around)
 
     def metrics(self) -> dict:
-        return {"before": dict(self.before), "after": dict(self.after), "quantized": dict(self.quantized)}
+        return {"before": dict(self.before), "after": dict(self.after), "quantized": dict(self.quantized),
+                "attacks": dict(self.attacks)}
 
     def catalog_rows(self, registration, *, flow: str, started: datetime, timings: Mapping,
                      extra_metrics: Mapping | None = None) -> dict:

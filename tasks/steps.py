@@ -16,7 +16,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grom_core.adapter import ModelAdapter, output_head_name, weight_out_in
+from grom_core.adapter import ModelAdapter, get_module, output_head_name, weight_out_in
 from grom_core.benchmarks.registry import get_benchmark, read_split
 from grom_core.closed_form import record_influence
 from grom_core.edit import Edit, Undo
@@ -292,11 +292,12 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
     """Evaluate the edited model (`loaded` after `apply_and_save`) after each quantize-dequantize attack; report
     recovery and edit survival (the unedited weights from `loaded.base_weights`).
 
-    Returns {quantizer: {metrics..., "recovery_<forget metric>": quantized - unquantized, "codes_changed",
-    "norm_survival"}} and, under "_note", what could not run.
+    Returns {quantizer: {metrics..., "recovery_<forget metric>": quantized - unquantized, "recovery" (the
+    headline one), "codes_changed", "norm_survival"}} and, under "_note", what could not run.
     """
     import time
 
+    from grom_core.attacks import headline_recovery
     from grom_core.quantization import edit_survival, quantized, quantizers
 
     specs = quantizers()
@@ -315,6 +316,7 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
         for key in recovery_keys(spec):
             if isinstance(metrics.get(key), float) and isinstance(after.get(key), float):
                 metrics[f"recovery_{key}"] = metrics[key] - after[key]
+        metrics["recovery"] = headline_recovery(metrics, recovery_keys(spec))
         survival = [edit_survival(loaded.base_weights[m], d.full(), specs[name], head=m == head)
                     for m, d in edit.deltas.items() if specs[name].include_lm_head or m != head]
         if survival:
@@ -324,4 +326,35 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
         log.info("quantization %s (%d matrices): %s, %.1f s", name, n_matrices,
                  ", ".join(f"{k} {metrics[k]:+.3f}" for k in metrics if k.startswith("recovery_")),
                  time.perf_counter() - start)
+    return out
+
+
+READING_ATTACKS = ("head_swap", "logit_lens", "relearn")  # the flow's default attacks that read around the edit
+
+
+@task(name="read-around-attacks", cache_policy=NO_CACHE)
+def read_around(loaded: LoadedModel, data: Ingested, spec: EvaluationSpec, after: dict,
+                names: list[str] | None = None) -> dict:
+    """Evaluate the edited model (`loaded` after `apply_and_save`) under each attack that reads around the edit
+    (grom_core.attacks: the base head on its hidden states, the logit lens, relearning from half the forget facts):
+    {attack: {metrics..., "recovery_<forget metric>", "recovery"}}. The base head is the unedited model's
+    (`loaded.base_weights`, or the head as it is where the edit left it alone); the relearning attack steps at the
+    benchmark's gradient recipe's learning rate, on own data at TOFU's for pretrained models (1e-5)."""
+    from grom_core.attacks import AttackKit, RelearnRecipe
+    from grom_core.data import as_examples
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    head = output_head_name(model)
+    base_head = loaded.base_weights.get(head)
+    if base_head is None:
+        base_head = weight_out_in(get_module(model, head)).detach().to("cpu", copy=True)
+    lr = get_benchmark(spec.benchmark).trainer.get("lr") if spec.benchmark else None
+    prompt = get_benchmark(spec.benchmark).prompt_format if spec.benchmark else spec.prompt_format
+    kit = AttackKit(base_head=base_head, forget=as_examples(data.forget.rows()), retain=as_examples(data.retain.rows()),
+                    evaluate=lambda: evaluate_loaded(model, tokenizer, spec), recovery=recovery_keys(spec),
+                    prompt_format=prompt, recipe=RelearnRecipe(**({"lr": float(lr)} if lr else {})))
+    out = {}
+    for name in READING_ATTACKS if names is None else names:
+        out[name] = kit.run(name, model, tokenizer, after)
+        log.info("attack %s: recovery %s", name, out[name].get("recovery"))
     return out

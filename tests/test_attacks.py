@@ -1,6 +1,8 @@
 """The attacks that read around an edit: exact against brute force, restoring every bit, and the positive control
 (a head-only edit that the base head reads straight back)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import FORGET, RETAIN
@@ -153,3 +155,9 @@ def test_relearn_attacks_read_the_half_they_never_trained(trained):
     with pytest.raises(ValueError, match="unknown attack"):
         kit.run("bogus", model, tokenizer, {})
     assert set(ATTACKS) == {"head_swap", "logit_lens", "relearn", "relearn_retain"}
+    # one fact cannot be split: relearn says why it did not run, relearn_retain reads the whole fact
+    one = dataclasses.replace(kit, forget=[dataclasses.replace(ex, subject="one") for ex in FORGET])
+    skipped = one.run("relearn", model, tokenizer, {})
+    assert skipped["recovery"] is None and "at least 2 facts" in skipped["skipped"]
+    assert one.run("relearn_retain", model, tokenizer, {})["heldout_rows"] == len(FORGET)
+    assert weights_fingerprint(model) == fingerprint

@@ -94,7 +94,7 @@ def test_bad_option_is_a_usage_error(tmp_path, capsys, monkeypatch):
     done = in_process("bench", "--ablation", "--params", '[1, 2]', "--home", str(tmp_path))
     assert done.returncode == 2 and "a list of objects" in done.stderr and "Traceback" not in done.stderr
     done = in_process("bench", "--ablation", "--quantizers", "rtn4,q3", "--home", str(tmp_path))
-    assert done.returncode == 2 and "no quantization attack named 'q3'" in done.stderr
+    assert done.returncode == 2 and "no attack named 'q3'" in done.stderr
     assert not (tmp_path / "benchmarks").exists()
 
 

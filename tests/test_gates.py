@@ -5,7 +5,11 @@ import math
 import pytest
 
 from grom_core.errors import DataError
-from grom_core.gates import Gates
+from grom_core.gates import Gates as AllGates
+
+
+def Gates(**thresholds):  # noqa: N802 - these tests are about the other gates: the read-around one is tested last
+    return AllGates(**{"max_attack_recovery": None, **thresholds})
 
 BEFORE = {"forget_probability": 0.9, "retain_probability": 0.8, "forget_rougeL_recall": 1.0,
           "retain_rougeL_recall": 1.0}
@@ -66,7 +70,7 @@ def test_switched_off_gates_and_texts_without_rouge():
                                     {"max_forget_rouge": 0.4}])
 def test_bad_thresholds_are_refused_by_name(values):
     with pytest.raises(DataError, match="gate|unknown gates"):
-        Gates.from_dict(values)
+        AllGates.from_dict(values)
 
 
 def test_own_data_is_gated_on_what_the_answers_add_to_their_questions():
@@ -107,3 +111,20 @@ def test_texts_are_gated_on_verbmem_and_keep_the_probability_they_share_with_any
     assert Gates().check(mixed_before, {**mixed_after, "forget_probability": 0.8}, ATTACKED) == [
         "forget texts' VerbMem (ROUGE-L F1 of their continuations) 0.700 > 0.5",
         "forget probability kept 0.889 of its value > 0.5"]
+
+
+def test_the_read_around_gate_fails_an_edit_that_hides_and_fails_closed():
+    gates = AllGates()
+    removed = {"head_swap": {"recovery": 0.0}, "relearn": {"recovery": 0.05}}
+    assert gates.check(BEFORE, AFTER, ATTACKED, removed) == []
+    hidden = {"head_swap": {"recovery": 1.0}, "relearn": {"recovery": 0.05}}  # a head-only edit, read back
+    assert gates.check(BEFORE, AFTER, ATTACKED, hidden) == [
+        "head_swap reads the forgotten data back: recovery +1.000 > 0.1"]
+    assert "no attack that reads around the edit ran" in gates.check(BEFORE, AFTER, ATTACKED)[0]
+    assert "head_swap recovery gate not measured: recovery is NaN" in gates.check(
+        BEFORE, AFTER, ATTACKED, {"head_swap": {"recovery": math.nan}})[0]
+    assert AllGates(max_attack_recovery=None).check(BEFORE, AFTER, ATTACKED) == []
+    # a skipped attack (relearning on one fact) is not judged; all skipped is not measured
+    skipped = {"relearn": {"skipped": "needs two facts", "recovery": None}}
+    assert gates.check(BEFORE, AFTER, ATTACKED, {**removed, **skipped}) == []
+    assert "every attack was skipped (relearn: needs two facts)" in gates.check(BEFORE, AFTER, ATTACKED, skipped)[0]

@@ -119,7 +119,7 @@ def test_short_npo_sago_run_lowers_forget_probability_and_returns_an_edit(traine
 def test_bad_method_and_composer(trained):
     model, tokenizer = trained
     with pytest.raises(DataError, match="npo"):
-        unlearn_gradient(model, tokenizer, FORGET, RETAIN, method="rmu")
+        unlearn_gradient(model, tokenizer, FORGET, RETAIN, method="fisher")
     with pytest.raises(ParamsError, match="sago"):
         unlearn_gradient(model, tokenizer, FORGET, RETAIN, "npo", NPOParams.from_dict({"compose": "mean"}))
     with pytest.raises(ParamsError, match="beta must be float"):
@@ -150,3 +150,44 @@ def test_altpo_prefers_in_domain_alternatives_and_forgets(trained):
     with run.edit.applied(model):
         after = answer_probability(model, tokenizer, FORGET).mean()
     assert after < before and run.edit.params["method"] == "altpo"
+
+
+def test_rmu_steers_the_forget_activations_and_holds_the_retain_ones(trained):
+    """RMU (representation misdirection): the forget text's residual after the steered block moves toward c u, the
+    retain text's stays near the frozen model's, only the down-projections of the blocks up to it are trained, and
+    the model is restored exactly."""
+    from grom_core.adapter import ModelAdapter
+    from grom_core.data import make_batches
+    from grom_core.gradient.rmu import RMUParams, block_output, masked_mse, run_rmu, steered_layer
+
+    model, tokenizer = trained
+    adapter = ModelAdapter.for_model(model)
+    fingerprint = weights_fingerprint(model)
+    # a tiny model's forget and retain text share their template tokens: a lighter retain weight than WMDP's 1200
+    params = RMUParams(alpha=10.0, trainer=TrainerParams(lr=1e-2, epochs=10, batch_size=4, grad_accum=1))
+    layer = steered_layer(params, adapter.num_layers)
+    assert layer == 1 and steered_layer(RMUParams(), 32) == 7  # WMDP's layer 7 of Zephyr's 32
+    run = run_rmu(model, tokenizer, FORGET, RETAIN, params)
+    assert weights_fingerprint(model) == fingerprint
+    assert sorted(run.edit.deltas) == [adapter.down_proj_names[0], adapter.down_proj_names[1]]
+    assert run.steps == 10 * 4 and run.edit.metadata["steering_coeff"] > 0
+
+    def activations(rows):
+        batches = make_batches(tokenizer, rows, 16)
+        with torch.no_grad(), block_output(model, adapter.block_names[layer]) as read:
+            return [(read(b), b.attention_mask) for b in batches]
+
+    before_f, before_r = activations(FORGET), activations(RETAIN)
+    with run.edit.applied(model):
+        after_f, after_r = activations(FORGET), activations(RETAIN)
+        forget_after = answer_probability(model, tokenizer, FORGET).mean()
+        retain_after = answer_probability(model, tokenizer, RETAIN).mean()
+    norm = lambda acts: float(torch.cat([h.norm(dim=-1)[m.bool()] for h, m in acts]).mean())  # noqa: E731
+    assert norm(after_f) > 1.5 * norm(before_f)  # pushed out toward c u, c = 5 x the mean norm
+    drift = lambda after, before: sum(float(masked_mse(a, b, m)) for (a, m), (b, _)  # noqa: E731
+                                      in zip(after, before, strict=True)) / len(after)  # mean over batches
+    assert drift(after_r, before_r) < 0.2 * drift(after_f, before_f)
+    assert forget_after < 0.5 * answer_probability(model, tokenizer, FORGET).mean()
+    assert retain_after > forget_after + 0.3
+    with pytest.raises(ParamsError, match="does not exist"):
+        run_rmu(model, tokenizer, FORGET, RETAIN, RMUParams(layer=4))

@@ -10,6 +10,8 @@ from grom_core.targets import (
     TokenDrops,
     lm_head_suppression,
     margin_beta,
+    project_out,
+    protected_tokens,
     random_direction,
     representation_corruption,
     residual_suppression,
@@ -75,6 +77,26 @@ def test_residual_suppression_drops_the_logit_lens_by_the_asked_amount():
     # the smallest such change lies in the span of the asked tokens' directions: nothing orthogonal to them
     basis = torch.linalg.qr(u[bag.rows].T).Q
     assert torch.allclose(basis @ (basis.T @ d), d)
+
+
+def test_protected_tokens_keep_their_logits_while_the_asked_ones_drop_by_the_same_amount():
+    """Built from rows with the kept tokens' span projected out, the residual change still lowers each asked token
+    by its drop (through its own, unprojected unembedding) and moves no kept token's logit; the kept tokens are the
+    candidates most aligned with the asked ones, never an asked one."""
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    u[5] = u[3] + 0.1 * u[5]  # token 5 resembles token 3: a plain suppression of 3 drags it down
+    tokens, drops, scale = torch.tensor([3, 7]), torch.tensor([2.0, 0.5]), torch.tensor([1.5, 0.7])
+    asked = TokenDrops.at_next_tokens(tokens, drops)
+    kept = protected_tokens(asked.rows, torch.tensor([0, 3, 5, 9]), lambda ids: u[ids], 2)
+    assert 5 in kept.tolist() and 3 not in kept.tolist() and kept.numel() == 2
+    plain = residual_suppression(asked, u[asked.rows], scale)
+    d = residual_suppression(asked, project_out(u[asked.rows], u[kept]), scale)
+    assert ((u[tokens] * d.T).sum(1) / scale).tolist() == pytest.approx((-drops).tolist())
+    assert torch.allclose(u[kept] @ d, torch.zeros(2, 2, dtype=torch.float64), atol=1e-10)
+    assert float((u[5] @ plain)[0]) < -1.0  # what the protection prevents
+    assert torch.equal(project_out(u[:2], u[:0]), u[:2])
+    assert protected_tokens(asked.rows, torch.tensor([3, 7]), lambda ids: u[ids], 4).numel() == 0
 
 
 def test_representation_corruption_moves_outputs_to_c_u():
