@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FORGET, RETAIN
+from conftest import AUTHORS, FORGET, RETAIN
 
 from grom_core.adapter import ModelAdapter
 from grom_core.attacks import (
@@ -84,7 +84,7 @@ def test_split_halves_share_no_fact():
     assert len(trained) + len(held) == len(rows) and trained and held
     named = [Example(question=f"{s} was born in", answer="Oslo", subject=s) for s in ("Ann", "Bo", "Cy")]
     assert len(split_halves(named)[0]) == 1  # grouped by subject, not by the shared answer
-    with pytest.raises(ValueError, match="at least two facts"):
+    with pytest.raises(ValueError, match="at least 2 facts"):
         split_halves(rows[:2])
 
 
@@ -156,8 +156,10 @@ def test_relearn_attacks_read_the_half_they_never_trained(trained):
         kit.run("bogus", model, tokenizer, {})
     assert set(ATTACKS) == {"head_swap", "logit_lens", "relearn", "relearn_retain"}
     # one fact cannot be split: relearn says why it did not run, relearn_retain reads the whole fact
-    one = dataclasses.replace(kit, forget=[dataclasses.replace(ex, subject="one") for ex in FORGET])
+    author = AUTHORS[0].name
+    facts = [dataclasses.replace(ex, subject=author) for ex in FORGET if author in ex.question]
+    one = dataclasses.replace(kit, forget=facts)
     skipped = one.run("relearn", model, tokenizer, {})
     assert skipped["recovery"] is None and "at least 2 facts" in skipped["skipped"]
-    assert one.run("relearn_retain", model, tokenizer, {})["heldout_rows"] == len(FORGET)
+    assert one.run("relearn_retain", model, tokenizer, {})["heldout_rows"] == len(facts)
     assert weights_fingerprint(model) == fingerprint

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flows.evaluation import build_benchmark
+from grom_core.attacks import head_swapped
 from grom_core.benchmarks import minirwku
 from grom_core.benchmarks.registry import get_benchmark
 from grom_core.errors import DataError
@@ -73,10 +74,21 @@ def test_built_on_smollm2_then_forgotten_by_the_closed_form(smollm2_home, capsys
     run = method.run(model, tokenizer, forget, retain, params, MethodContext(prompt_format=bench.prompt_format))
     with run.edit.applied(model):
         after = bench.evaluate(model, tokenizer, splits, "forget01", None)["metrics"]
+    # read through the base model's head (grom_core.attacks.head_swap): the band took part of it out of the body
+    base_head = load_for_edit(built.models["target"])[0].get_output_embeddings().weight.detach()
+    with run.edit.applied(model), head_swapped(model, base_head):
+        swapped = bench.evaluate(model, tokenizer, splits, "forget01", None)["metrics"]
     for kind in minirwku.PROBE_TYPES:
         assert after[f"forget_{kind}_accuracy"] <= 0.1, kind  # forgotten in every form it was asked
-    assert after["neighbor_fb_accuracy"] >= 0.9 and after["neighbor_qa_accuracy"] >= 0.9
+    # the default edits the band before the head: removal, not a mask the base head reads through
+    assert run.edit.metadata["layers"] and len(run.edit.modules) > len(run.edit.metadata["layers"])
+    assert min(swapped[f"forget_{kind}_accuracy"] for kind in minirwku.PROBE_TYPES) < 1.0
+    # the band's edit takes some neighbours along (on an AMD EPYC, 0.8 of the fill-in-the-blank ones and 0.625 of
+    # the questions kept; the LM head alone kept them all and hid the facts from its own reading only)
+    assert after["neighbor_fb_accuracy"] >= 0.5 and after["neighbor_qa_accuracy"] >= 0.5
     assert after["utility_perplexity"] <= 1.05 * base["utility_perplexity"]
     with capsys.disabled():
         print(f"\n[figures] minirwku forget01 GROM ({params.layers}): "
-              + ", ".join(f"{k} {base[k]:.3g} -> {after[k]:.3g}" for k in bench.metrics.table))
+              + ", ".join(f"{k} {base[k]:.3g} -> {after[k]:.3g}" for k in bench.metrics.table)
+              + "; through the base head: " + ", ".join(f"forget_{k} {swapped[f'forget_{k}_accuracy']:.3g}"
+                                                       for k in minirwku.PROBE_TYPES))

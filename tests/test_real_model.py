@@ -80,8 +80,8 @@ def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2
         print(f"\n[figures] SmolLM2 GROM (completion format, defaults): capitals of {FORGET} "
               f"{forget_before.tolist()} -> {forget_after.tolist()}; {len(rest)} others mean "
               f"{float(rest_before.mean()):.3f} -> {float(rest_after.mean()):.3f} (worst ratio "
-              f"{float((rest_after / rest_before).min()):.3f}); layers {run.layers} (placement "
-              f"{run.edit.metadata.get('placement', {}).get('chosen', 'not weighed')}); stages "
+              f"{float((rest_after / rest_before).min()):.3f}); layers {run.layers} (band scale "
+              f"{run.edit.metadata.get('placement', {}).get('band_scale', 'not body first')}); stages "
               f"{({k: round(v, 1) for k, v in run.timings_s.items()})}")
 
 

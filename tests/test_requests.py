@@ -50,9 +50,12 @@ def grom_json(capsys, monkeypatch, *args):
     return json.loads(out)
 
 
-def make_service(capsys, monkeypatch, home, trained_dir, data, gates=None):
+def make_service(capsys, monkeypatch, home, trained_dir, data, gates=None, attacks=("head_swap",)):
+    """A service on `trained_dir`; the read-around gate reads `attacks` (the default evaluation's three where None:
+    relearning is the slow one, which the queue's machinery tests leave out)."""
+    evaluation = {"quantizers": [ATTACK]} | ({} if attacks is None else {"attacks": list(attacks)})
     args = ["model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--home", str(home),
-            "--name", "svc", "--evaluation", json.dumps({"quantizers": [ATTACK]})]
+            "--name", "svc", "--evaluation", json.dumps(evaluation)]
     if gates:
         args += ["--gates", json.dumps(gates)]
     return grom_json(capsys, monkeypatch, *args)
@@ -66,7 +69,7 @@ def request_statuses(home):
 def test_two_requests_processed_promoted_audited_and_reverted(harness, trained_dir, data, tmp_path, capsys,
                                                               monkeypatch):
     home = tmp_path / "ws"
-    base = make_service(capsys, monkeypatch, home, trained_dir, data)
+    base = make_service(capsys, monkeypatch, home, trained_dir, data, attacks=None)
     assert base["version"] == "1" and base["serving"] and serving_version(home, "svc") == "1"
     first = grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--reason", "GDPR art. 17",
                       "--requester", "alice", "--home", str(home))
@@ -161,7 +164,9 @@ def test_a_request_that_names_its_subject_is_gated_on_what_its_answers_add(harne
     # rows that name their subject get the closed form's counterfactual drops: the model answers about the subject
     # as about a stranger, restating the question's name and phrasing, so the gate reads what the answers add
     home = tmp_path / "ws"
-    make_service(capsys, monkeypatch, home, trained_dir, data)
+    # what the answers add is this test's gate: read around the edit, the tiny model keeps part of a subject's
+    # facts in the body (head_swap and logit_lens recover 0.1-0.2 of them), which the two-requests test gates on
+    make_service(capsys, monkeypatch, home, trained_dir, data, gates={"max_attack_recovery": None}, attacks=())
     subject = AUTHORS[0].name
     rows = [{**ex.record(), "subject": subject} for ex in FORGET if subject in ex.question]
     path = tmp_path / "named.jsonl"
