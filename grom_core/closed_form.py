@@ -502,8 +502,8 @@ def solve_body_first(model: nn.Module, prep: Prepared, params: GromParams, layer
     """Removal before masking: the band's down-projections are solved for the whole drop as the unedited LM head
     reads it (so what they remove is gone for any reader of the body, grom_core.attacks), scaled to the retain
     budget on their own, and only then is the head solved, with the scaled band applied, for what the band left:
-    the head completes the forgetting, it never carries it alone where the band can carry any. Returns the combined updates (the
-    band's scaled; `solve` fits the sum to the budget again) and what was measured."""
+    the head completes the forgetting, it never carries it alone where the band can carry any. Returns the
+    combined updates (the band's scaled; `solve` fits the sum to the budget again) and what was measured."""
     head = prep.adapter.lm_head_name
     band_modules = [m for m in modules if m != head]
     band = solve_modules(model, prep, layers, band_modules, {m: stats[m] for m in band_modules}, params)
