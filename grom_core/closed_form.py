@@ -85,8 +85,9 @@ class GromParams(Params):
             `edit_lm_head`). None picks a band by logit-lens attribution, or every layer for sentence drops (what
             a model memorised word for word is not held in one band: on minimuse the attributed band of two
             forgets less at the same retain budget, README). With specificity drops under a retain budget the band
-            is solved first and scaled to the budget on its own, and the LM head then lowers what it left (`solve_body_first`): what
-            the band removes is gone for any reader of the body (grom_core.attacks), what the head adds is not.
+            is solved first and scaled to the budget on its own, and the LM head then lowers what it left
+            (`solve_body_first`): what the band removes is gone for any reader of the body (grom_core.attacks),
+            what the head adds is not.
         band_width: number of contiguous layers in the automatic band.
         late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression targets only).
