@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flows.formatting import fmt, quantization_columns
+from flows.formatting import fmt, md_cell, quantization_columns
 from flows.workspace import Workspace
 from grom_core.errors import DataError
 from tasks.catalog import Catalog
@@ -198,8 +198,8 @@ def markdown(report: dict) -> str:
     if report["requests"]:
         lines += ["## Requests", "", "| request | status | version | reason | requester | text purged |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {r['request_id']} | {r['status']} | {fmt(r['model_version'])} | {fmt(r['reason'])} | "
-                  f"{fmt(r['requester'])} | {r['purged']} |" for r in report["requests"]]
+        lines += [f"| {r['request_id']} | {r['status']} | {fmt(r['model_version'])} | {md_cell(r['reason'])} | "
+                  f"{md_cell(r['requester'])} | {r['purged']} |" for r in report["requests"]]
         lines.append("")
     gates = report["gates"]
     if gates:
@@ -221,7 +221,7 @@ def markdown(report: dict) -> str:
               "| example | request | sha256 | text | " + " | ".join(modules) + " | flagged |",
               "|---|---|---|---|" + "---|" * len(modules) + "---|"]
     for e in report["influence"]:
-        text = "(purged)" if e["purged"] else fmt(e["text"]).replace("|", "/")[:60]
+        text = "(purged)" if e["purged"] else md_cell(e["text"], 60)
         lines.append(f"| {e['example_index']} | {fmt(e['request_id'])} | {e['sha256'][:12]} | {text} | "
                      + " | ".join(fmt(e["influence"].get(m)) for m in modules) + f" | {e['flagged']} |")
     if report.get("refit"):

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from flows import service_cli
 from flows.console import (
@@ -25,7 +26,7 @@ from flows.console import (
     setup_logging,
 )
 from flows.formatting import fmt
-from flows.runtime import configure_process, stop_on_sigterm
+from flows.runtime import configure_process, set_threads, stop_on_sigterm
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
 
@@ -34,8 +35,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 @app.callback()
-def _root() -> None:
+def _root(threads: Annotated[int | None, typer.Option(
+        min=1, help="CPU threads torch may use (default: OMP_NUM_THREADS if set, else one per core). Beside another "
+                    "busy process, fewer threads than cores is often faster.")] = None) -> None:
     """Retraining-free unlearning: a closed-form edit with exact per-example influence."""
+    set_threads(threads)
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
@@ -98,7 +102,16 @@ def unlearn(
                                                     "and EOS, grom's tiny models), completion (the question is a "
                                                     "prefix the answer continues, no EOS: a pretrained base model) "
                                                     "or chat (the tokenizer's chat template).")] = "qa",
-    quantization: Annotated[bool, typer.Option(help="Run the 4-/8-bit quantization recovery attack.")] = False,
+    quantization: Annotated[bool, typer.Option(help="Run the robustness checks: the quantization recovery attacks "
+                                                    "(--quantizers) and the attacks that read around the edit "
+                                                    "(--attacks).")] = False,
+    quantizers: Annotated[str | None, typer.Option(help="Comma-separated quantization attacks to run (implies "
+                                                        "--quantization; default with it: fp4,nf4): fp4, nf4, int8, "
+                                                        "rtn4, gguf_q4_1, fp4_head_kept; '' for none.")] = None,
+    attacks: Annotated[str | None, typer.Option(help="Comma-separated attacks that read around the edit (implies "
+                                                     "--quantization; default with it: head_swap,logit_lens,"
+                                                     "relearn): head_swap, logit_lens, relearn, relearn_retain; '' "
+                                                     "for none.")] = None,
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
@@ -106,12 +119,16 @@ def unlearn(
 ) -> None:
     """Unlearn your own forget data from your own model, keeping the retain data, and register the result."""
     from flows.demo import run_unlearn
+    from tasks.records import EvaluationSettings
 
     values = _method_params(params, compose, layers)
+    checks = None
+    if quantization or quantizers is not None or attacks is not None:
+        chosen = {k: list(_names(v)) for k, v in (("quantizers", quantizers), ("attacks", attacks)) if v is not None}
+        checks = EvaluationSettings.from_dict(chosen)
     setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=values, model_name=model_name, workers=workers,
-                         dask_address=dask_address, method=method, quantization=quantization,
-                         prompt_format=prompt_format)
+                         dask_address=dask_address, method=method, checks=checks, prompt_format=prompt_format)
     emit(result, as_json, before_after_table(result), quantization_table(result))
 
 
@@ -350,7 +367,7 @@ def main() -> None:
     try:
         app()
     except GromError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(Text.assemble(("error:", "bold red"), " ", str(exc)), soft_wrap=True)
         sys.exit(2)
 
 

@@ -16,7 +16,10 @@ from flows.formatting import fmt, quantization_columns
 from grom_core.errors import DataError
 from grom_core.methods import METHODS
 
-err = Console(stderr=True)
+# User text (reasons, requesters, file names, model names) goes into tables, errors and logs as written: no Rich
+# markup ("[/bold]" is a name, not a tag), no emoji codes (":x:" stays), no highlighting of numbers in it.
+PLAIN = {"markup": False, "emoji": False, "highlight": False}
+err = Console(stderr=True, **PLAIN)
 UNBOUNDED_WIDTH = 100_000  # characters: wide enough that measuring a table never wraps or cuts a cell
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
@@ -35,7 +38,7 @@ def setup_logging(verbose: bool) -> None:
         # import) may hold a stream that is not ours to close
         root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)])
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False, markup=False)])
     logging.getLogger("grom").setLevel(logging.INFO)
     logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)
@@ -55,11 +58,11 @@ def emit(payload: dict, as_json: bool, *tables: Table | None) -> None:
 def table_console(table: Table) -> Console:
     """Where a table goes on stdout: a terminal at its own width (rich wraps the cells to fit), anything else (a
     file, a pipe, a CI log) at the table's natural width, so that no figure is cut short ("0.11…")."""
-    console = Console()
+    console = Console(**PLAIN)
     if console.is_terminal:
         return console
-    natural = Console(width=UNBOUNDED_WIDTH).measure(table).maximum
-    return Console(width=max(natural, console.width))
+    natural = Console(width=UNBOUNDED_WIDTH, **PLAIN).measure(table).maximum
+    return Console(width=max(natural, console.width), **PLAIN)
 
 
 def metrics_table(title: str, before: dict, after: dict) -> Table:

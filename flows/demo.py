@@ -12,7 +12,7 @@ from flows.workspace import Workspace
 from grom_core.benchmarks.registry import check_split, get_benchmark
 from grom_core.data import prompt_format as grom_prompt_format
 from grom_core.methods import DEFAULT_METHOD, get_method, method_params
-from tasks.records import EvaluationSpec
+from tasks.records import EvaluationSettings, EvaluationSpec
 
 log = logging.getLogger("grom.demo")
 
@@ -42,7 +42,10 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
 
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
-                method: str = DEFAULT_METHOD, quantization: bool = False, prompt_format: str = "qa") -> dict:
+                method: str = DEFAULT_METHOD, checks: EvaluationSettings | None = None,
+                prompt_format: str = "qa") -> dict:
+    """`grom unlearn`: checks every input, then runs the unlearn flow; `checks`: the robustness checks to run after
+    the edit (None: none)."""
     from tasks.tracking import check_model_name
     from tasks.versions import resolve_model
 
@@ -58,4 +61,6 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
 
         return unlearn(model=model, forget=forget, retain=retain, home=str(ws.root), method=method,
                        params=params, model_name=model_name, workers=workers, dask_address=dask_address,
-                       quantization=quantization, prompt_format=prompt_format)
+                       quantization=checks is not None, prompt_format=prompt_format,
+                       quantizers=list(checks.quantizers) if checks else None,
+                       attacks=list(checks.attacks) if checks else None)

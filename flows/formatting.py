@@ -10,6 +10,19 @@ def fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+MARKDOWN_PUNCTUATION = set("\\`*_{}[]()<>#+-.!|~&")
+
+
+def md_cell(value, limit: int | None = None) -> str:
+    """User text as one literal Markdown table cell: on one line, every character Markdown or a table gives a
+    meaning (a link's brackets, emphasis, a `|` that would end the cell, an HTML tag) backslash-escaped, so that the
+    reader sees what was written; cut to `limit` characters (before escaping) with an ellipsis."""
+    text = " ".join(fmt(value).split())
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "…"
+    return "".join("\\" + c if c in MARKDOWN_PUNCTUATION else c for c in text)
+
+
 def quantization_columns(quantized: dict) -> list[str]:
     """The columns of a quantization-attack table: each recovered forget metric, its recovery, and how much of
     the edit survived, in the order the attacks report them."""

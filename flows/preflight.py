@@ -20,8 +20,7 @@ from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.loading import check_model_dir
 from grom_core.methods import method_params
 from grom_core.params import Params
-from tasks.datafiles import read_examples
-from tasks.records import example_sha256
+from tasks.datafiles import check_overlap, read_examples
 
 log = logging.getLogger("grom.preflight")
 
@@ -118,18 +117,3 @@ def check_lengths(model: str | Path, config: dict, params: Params, files: dict) 
                 raise DataError(f"{path}: row {number} is about {n} tokens, longer than the model's {positions} "
                                 f"positions; pass --params '{{\"max_length\": {positions}}}' to cut such rows, "
                                 f"or shorten them")
-
-
-def check_overlap(forget: list[dict], retain: list[dict], forget_path, retain_path) -> None:
-    """No forget example twice, and none that the retain data asks to keep."""
-    seen: dict[str, int] = {}
-    for number, row in enumerate(forget, start=1):
-        sha = example_sha256(row)
-        if sha in seen:
-            raise DataError(f"{forget_path}: rows {seen[sha]} and {number} are the same example; remove the "
-                            f"duplicate")
-        seen[sha] = number
-    for number, row in enumerate(retain, start=1):
-        if example_sha256(row) in seen:
-            raise DataError(f"{retain_path}: row {number} is also forget row {seen[example_sha256(row)]} of "
-                            f"{forget_path}: an example cannot be forgotten and kept; remove it from one of them")

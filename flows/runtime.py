@@ -38,6 +38,17 @@ def configure_process() -> None:
         os.environ.setdefault(key, value)
 
 
+def set_threads(threads: int | None) -> None:
+    """The CPU threads torch uses in this process and the processes it starts (Dask workers): `threads`, else
+    OMP_NUM_THREADS where the user set it (torch reads it at import), else torch's default (one per core)."""
+    if threads is None:
+        return
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 KILL_AFTER_ENV = "GROM_KILL_AFTER_STAGE"
 
 

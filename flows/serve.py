@@ -89,7 +89,7 @@ def serve(home: str | None = None, cron: str | None = "*/30 * * * *", interval_s
         if not api_url:
             server = start_local_server(ws, port)
             api_url = f"http://127.0.0.1:{port}/api"
-        from flows.requests import process_deletion_requests
+        from flows.process_requests import process_deletion_requests
 
         schedule = {"interval": interval_s} if interval_s else {"cron": cron}
         log.info("serving %s (%s) for workspace %s; stop with Ctrl-C", DEPLOYMENT, schedule, ws.root)

@@ -29,15 +29,12 @@ from tasks.catalog import now, record_run
 from tasks.datafiles import read_examples
 from tasks.lake import atomic_parquet, rows_table
 from tasks.names import safe_name
+from tasks.records import EvaluationSettings
 from tasks.steps import load_for_edit
 from tasks.tracking import Registration, check_model_name, get_version, register, serving_version, set_serving
 from tasks.versions import FULL, SAME, STORAGE_TAG, materialize, storage, version_model_dir
 
 log = logging.getLogger("grom.service")
-
-DEFAULT_EVALUATION = {"max_examples": 200, "quantizers": ["fp4", "nf4"],
-                      "attacks": ["head_swap", "logit_lens", "relearn"]}
-
 
 def register_model(model: str, retain: str, *, name: str | None = None, home: str | None = None,
                    params: dict | None = None, gates: dict | None = None, evaluation: dict | None = None,
@@ -54,7 +51,7 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     params = preflight(model, None, retain, method, params).to_dict()
     prompt_format = data_prompt_format(prompt_format).name
     gates = asdict(Gates.from_dict(gates or {}))
-    evaluation = {**DEFAULT_EVALUATION, **(evaluation or {})}
+    evaluation = EvaluationSettings.from_dict(evaluation).to_dict()
     name = check_model_name(name or f"grom-{safe_name(Path(model).resolve().name)}")
     catalog = ws.catalog()
     reconcile(ws.root, catalog, name)  # what a killed run registered under this name and never recorded
@@ -117,7 +114,7 @@ def promote_version(version: str, *, model_name: str | None = None, home: str | 
     """Put a version that failed its gates in service after human review, and mark its requests done."""
     import getpass
 
-    from flows.requests import purge_traces
+    from flows.process_requests import purge_traces
 
     ws = Workspace.resolve(home)
     catalog = ws.catalog()
@@ -209,6 +206,8 @@ def materialize_version(name: str, version: str, *, home: str | None = None, out
 
     ws = Workspace.resolve(home)
     tags = get_version(ws.root, name, version).tags
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise DataError(f"{out} is a file; give --out a new folder")
     if out is not None and Path(out).exists() and any(Path(out).iterdir()):
         raise DataError(f"{out} exists and is not empty; give a new folder to --out")
     path = materialize(ws.root, name, version)

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.console import (
+    PLAIN,
     HomeOpt,
     JsonOpt,
     MethodOpt,
@@ -171,7 +172,7 @@ def request_requeue(
     as_json: JsonOpt = False,
 ) -> None:
     """Queue a request in review (or reopened, text not purged) again; the next run processes it."""
-    from flows.queue import requeue_request
+    from flows.request_queue import requeue_request
 
     setup_logging(False)
     result = requeue_request(request_id, home)
@@ -188,7 +189,7 @@ def request_add(
     as_json: JsonOpt = False,
 ) -> None:
     """Queue a deletion request (status pending)."""
-    from flows.queue import add_request
+    from flows.request_queue import add_request
 
     setup_logging(True)
     result = add_request(forget, reason=reason, requester=requester, model_name=model_name, home=home)
@@ -206,7 +207,7 @@ def request_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Every deletion request with its status and the model version that answered it."""
-    from flows.queue import list_requests
+    from flows.request_queue import list_requests
 
     setup_logging(False)
     result = list_requests(home, status)
@@ -227,7 +228,7 @@ def request_show(
     as_json: JsonOpt = False,
 ) -> None:
     """One request: status, history, and its examples (sha256 only once purged)."""
-    from flows.queue import show_request
+    from flows.request_queue import show_request
 
     setup_logging(False)
     result = show_request(request_id, home)
@@ -262,7 +263,7 @@ def request_process(
     setup_logging(True)
     ws = Workspace.resolve(home)
     with prefect_environment(ws):
-        from flows.requests import process_deletion_requests
+        from flows.process_requests import process_deletion_requests
 
         result = process_deletion_requests(home=str(ws.root), model_name=model_name, purge=purge)
     table = Table(title=f"processed requests {result['processed']}")
@@ -292,7 +293,7 @@ def audit(
     else:
         from rich.markdown import Markdown
 
-        Console().print(Markdown(Path(result["report"]["markdown"]).read_text()))
+        Console(**PLAIN).print(Markdown(Path(result["report"]["markdown"]).read_text()))
         err.print(f"report: {result['report']['markdown']} and {result['report']['json']}")
 
 

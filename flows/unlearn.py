@@ -42,7 +42,8 @@ log = logging.getLogger("grom.flow")
 def unlearn(model: str, forget: str, retain: str, home: str | None = None, method: str = "grom",
             params: dict | None = None, evaluation: EvaluationSpec | None = None, model_name: str | None = None,
             workers: int = 0, dask_address: str | None = None, tags: dict | None = None,
-            quantization: bool = True, prompt_format: str = "qa") -> dict:
+            quantization: bool = True, prompt_format: str = "qa", quantizers: list[str] | None = None,
+            attacks: list[str] | None = None) -> dict:
     """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
 
     Args:
@@ -59,6 +60,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
         tags: extra tags for the MLflow run and model version (e.g. deletion request ids).
         quantization: run the robustness checks on the edited model: the quantization recovery attacks (reported
             under metrics.quantized) and the attacks that read around the edit (metrics.attacks).
+        quantizers, attacks: with `quantization`, which of each to run (None: every available quantization attack
+            and `steps.READING_ATTACKS`).
         prompt_format: how the data's QA pairs become text, for the keys, the targets and the own-data metrics:
             qa, completion (a pretrained base model's) or chat (grom_core.data.PROMPT_FORMATS).
     """
@@ -70,8 +73,8 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     started, timings = now(), Timings(log, after_stage=kill_point)
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
-                      quantizers=None if quantization else [], prompt_format=prompt_format,
-                      attacks=None if quantization else [])
+                      quantizers=quantizers if quantization else [], prompt_format=prompt_format,
+                      attacks=attacks if quantization else [])
     with transaction():
         registration = timings.run("register", register_outcome, ws, outcome, name=name,
                                    tags={"grom.kind": "unlearn", "grom.owner": claim_owner(), **(tags or {})},

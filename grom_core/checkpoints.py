@@ -98,17 +98,35 @@ def _require_gguf_support() -> None:
         raise DataError(f"loading a GGUF file needs {' and '.join(missing)}: pip install gguf accelerate")
 
 
-def import_gguf(gguf_file: str | Path, out: str | Path, provenance: dict | None = None) -> Path:
+def _check_gguf(gguf_file: Path) -> None:
+    """The file parses as GGUF (header, metadata and tensor table), or a DataError: a truncated download or a
+    damaged file would otherwise fail deep inside the converter."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_file)
+    except Exception as exc:  # the reader raises struct, value, index and memory-map errors for a broken file
+        raise DataError(f"{gguf_file} is not a complete GGUF file ({type(exc).__name__}: {exc}); download or copy "
+                        f"it again") from exc
+    if not reader.tensors:
+        raise DataError(f"{gguf_file} holds no tensors: it is not a model checkpoint")
+
+
+def import_gguf(gguf_file: str | Path, out: str | Path, provenance: dict | None = None, *,
+                replace: bool = False) -> Path:
     """Convert a GGUF checkpoint to a safetensors model folder (float32) with its tokenizer and a provenance.json
     (the file's name and sha256, plus `provenance`). Written under a temporary name and renamed: a folder that
-    exists is complete."""
+    exists is complete. `out` must not exist yet (nor be a file) unless `replace` (a stale cache entry)."""
     gguf_file, out = Path(gguf_file), Path(out)
     if not gguf_file.is_file():
         raise DataError(f"GGUF file {gguf_file} does not exist")
+    if out.exists() and not (replace and out.is_dir()):
+        raise DataError(f"{out} exists; give --out a new folder (nothing is overwritten)")
     with open(gguf_file, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise DataError(f"{gguf_file} is not a GGUF file (no GGUF magic at its start)")
     _require_gguf_support()
+    _check_gguf(gguf_file)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import __version__ as transformers_version
 

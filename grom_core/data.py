@@ -282,10 +282,11 @@ def read_json_object(path: str | Path, what: str) -> dict:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """One JSON object per non-blank line; a bad line is a DataError that names the file and the line."""
+    """One JSON object per non-blank line (UTF-8, with or without the byte-order mark some editors write); a bad
+    line is a DataError that names the file and the line."""
     path = Path(path)
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -28,6 +28,7 @@ before the edit too; the forget probability of texts only) and those set to None
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from grom_core.errors import DataError
@@ -67,8 +68,8 @@ class Gates:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
-                                          and value == value and value >= 0):
-                raise DataError(f"gate {name} must be a non-negative number (or null to switch it off), "
+                                          and math.isfinite(value) and value >= 0):
+                raise DataError(f"gate {name} must be a finite non-negative number (or null to switch it off), "
                                 f"got {value!r}")
 
     @classmethod

@@ -6,13 +6,14 @@ Every parameter dataclass (GromParams, the gradient methods', TrainerParams) der
     params.to_dict()        # JSON-able: tuples become lists, nested Params become dicts
 
 `from_dict` is where user input (CLI `--params`, a registered service's stored parameters) is checked: an unknown
-key, a value of the wrong type or a value out of range is a `ParamsError` that names the field and what it accepts,
-raised before any work is done.
+key, a value of the wrong type, a non-finite number (NaN, Infinity) or a value out of range is a `ParamsError` that
+names the field and what it accepts, raised before any work is done.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -70,6 +71,8 @@ def _convert(owner: str, name: str, tp: Any, value: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # JSON's NaN, Infinity and 1e400 pass every range check
+                raise ParamsError(f"{owner}.{name} must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):

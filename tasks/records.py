@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from grom_core.errors import ParamsError
 from grom_core.fingerprint import data_digest, text_sha256
+from grom_core.params import Params
 
 # an example's columns as the lake stores them; `subject` (optional) names what a QA pair is about and is text of the
 # example too (a purge nulls it with the rest)
@@ -158,6 +160,35 @@ class EvaluationSpec:
 
     def digest(self) -> str:
         return data_digest([{k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(self).items()}])
+
+
+@dataclass(frozen=True)
+class EvaluationSettings(Params):
+    """How a run checks its edit (a service's `--evaluation`, `grom unlearn --attacks/--quantizers`), checked like a
+    method's parameters: unknown keys, wrong types and unknown attack names are refused by name.
+
+    Args:
+        max_examples: own data: at most this many forget and this many retain examples are evaluated (a count).
+        quantizers: the quantize-dequantize attacks (grom_core.quantization.quantizers; those needing bitsandbytes
+            are noted and skipped where it is missing); empty: none.
+        attacks: the attacks that read around the edit (grom_core.attacks.ATTACKS); empty: none.
+    """
+
+    max_examples: int = 200
+    quantizers: tuple[str, ...] = ("fp4", "nf4")
+    attacks: tuple[str, ...] = ("head_swap", "logit_lens", "relearn")
+
+    def validate(self) -> None:
+        from grom_core.attacks import ATTACKS
+        from grom_core.quantization import quantizers
+
+        if self.max_examples < 1:
+            raise ParamsError(f"EvaluationSettings.max_examples must be at least 1, got {self.max_examples}")
+        for field_name, known in (("quantizers", tuple(quantizers(available=True))), ("attacks", ATTACKS)):
+            unknown = [n for n in getattr(self, field_name) if n not in known]
+            if unknown:
+                raise ParamsError(f"EvaluationSettings.{field_name} has no {', '.join(map(repr, unknown))}; "
+                                  f"known: {', '.join(known)}")
 
 
 @dataclass(frozen=True)

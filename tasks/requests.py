@@ -47,6 +47,23 @@ class Service:
     prompt_format: str = "qa"
     method: str = "grom"
 
+    def check(self) -> None:
+        """The stored settings are ones a run can use (a service registered before a check existed, or a catalog
+        edited by hand, may hold NaN parameters or unknown evaluation keys): a one-line error naming the fix,
+        before any request is claimed."""
+        from grom_core.gates import Gates
+        from grom_core.methods import method_params
+        from tasks.records import EvaluationSettings
+
+        try:
+            method_params(self.method, self.params)
+            Gates.from_dict(self.gates)
+            EvaluationSettings.from_dict(self.evaluation)
+        except DataError as exc:
+            raise DataError(f"the service '{self.model_name}' holds settings no run can use ({exc}); register it "
+                            f"again with `grom model register --name {self.model_name} ...` and valid settings"
+                            ) from exc
+
 
 def save_service(con, service: Service) -> None:
     con.execute("DELETE FROM services WHERE model_name = ?", [service.model_name])

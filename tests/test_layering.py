@@ -49,7 +49,7 @@ def test_the_command_line_and_the_queue_load_no_model_stack_until_a_command_need
     import subprocess
     import sys
 
-    probe = ("import sys, flows.cli, flows.queue, grom_core, grom_core.errors, grom_core.methods as m; "
+    probe = ("import sys, flows.cli, flows.request_queue, grom_core, grom_core.errors, grom_core.methods as m; "
              "from flows.workspace import Workspace; "
              f"Workspace.resolve({str(tmp_path / 'ws')!r}); "
              "heavy = sorted({'torch', 'transformers', 'scipy', 'prefect', 'mlflow', 'pyarrow'} & set(sys.modules)); "

@@ -26,7 +26,9 @@ def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, ma
     texts, forget_verbatim_rougeL (VerbMem: ROUGE-L F1 of the greedy continuation of each text's first quarter,
     `max_verbatim_tokens` new tokens, against the rest).
 
-    At most `max_examples` of each set are scored (the first ones), so evaluation stays cheap on large sets.
+    At most `max_examples` of each set are scored (the first ones), so evaluation stays cheap on large sets; the
+    answers are generated for at most `max_new_tokens` tokens and at most twice the longest answer's tokens plus 8
+    (room for a restated question before it), so a set of one-word answers is not generated at full length.
     """
     out: dict[str, float] = {}
     for name, rows in (("forget", forget), ("retain", retain)):
@@ -36,7 +38,8 @@ def evaluate_own(model, tokenizer, forget: list[dict], retain: list[dict], *, ma
         qa = [r for r in rows if "question" in r]
         if qa:
             prompts = [prompt_format(fmt).prompt(tokenizer, r["question"]) for r in qa]
-            generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+            longest = max(len(tokenizer(r["answer"], add_special_tokens=False)["input_ids"]) for r in qa)
+            generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=min(max_new_tokens, 2 * longest + 8),
                                         batch_size=batch_size, desc=f"generate ({name})",
                                         bos=not prompt_format(fmt).chat)
             answers, questions = [r["answer"] for r in qa], [r["question"] for r in qa]

@@ -30,6 +30,7 @@ from tasks import requests as queue
 from tasks import steps
 from tasks.catalog import Catalog, now
 from tasks.purge import PurgeReport, purge_workspace, purged_shas
+from tasks.records import EvaluationSettings
 from tasks.tracking import get_version, serving_version, set_serving
 from tasks.versions import version_model_dir
 
@@ -53,6 +54,7 @@ def process_deletion_requests(home: str | None = None, model_name: str | None = 
     ws = Workspace.resolve(home)
     catalog = ws.catalog()
     service = queue.get_service(catalog, model_name)
+    service.check()  # before a claim: settings no run can use must not hand the requests back forever
     name = service.model_name
     removed = reconcile(ws.root, catalog, name, stale_after_s)
     owner = queue.claim_owner()
@@ -82,13 +84,11 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     check_version_weights(ws.root, name, parent, loaded)  # before any work: a changed folder costs nothing
     batch.parent.mkdir(parents=True, exist_ok=True)
     batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
-    evaluation = dict(service.evaluation)
-    quantizers = evaluation.pop("quantizers", None)
-    attacks = evaluation.pop("attacks", None)
+    settings = EvaluationSettings.from_dict(service.evaluation)
     outcome = compute(timings, ws, model=loaded, forget=str(batch), retain=service.retain_path,
-                      method=service.method, params=service.params, evaluation=None, quantizers=quantizers,
-                      max_examples=evaluation.get("max_examples", 200), prompt_format=service.prompt_format,
-                      attacks=attacks)
+                      method=service.method, params=service.params, evaluation=None,
+                      quantizers=list(settings.quantizers), max_examples=settings.max_examples,
+                      prompt_format=service.prompt_format, attacks=list(settings.attacks))
     reasons = Gates.from_dict(service.gates).check(outcome.before, outcome.after, outcome.quantized,
                                                    outcome.attacks)
     promoted = not reasons

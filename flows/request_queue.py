@@ -1,7 +1,7 @@
 """The deletion-request queue's commands: add, list, show and requeue requests.
 
 They read and write the catalog alone, so they load no model stack (torch, transformers, Prefect, MLflow): `grom
-request list` answers at once. Processing the queue is `flows.requests`; the model versions behind it,
+request list` answers at once. Processing the queue is `flows.process_requests`; the model versions behind it,
 `flows.service`.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from flows.workspace import Workspace
 from grom_core.fingerprint import data_digest
 from tasks import requests as queue
-from tasks.datafiles import read_examples
+from tasks.datafiles import check_overlap, read_examples
 from tasks.records import with_sha256
 
 log = logging.getLogger("grom.service")
@@ -26,6 +26,7 @@ def add_request(forget: str, *, reason: str | None = None, requester: str | None
     catalog = ws.catalog()
     service = queue.get_service(catalog, model_name)
     rows = read_examples(forget)
+    check_overlap(rows, [], forget, None)  # the same example twice: what `grom unlearn` refuses too
     examples = [with_sha256(r) for r in rows]
     dataset = {"digest": data_digest(rows), "name": f"request:{Path(forget).name}", "role": "request",
                "source": str(forget), "examples": examples}
