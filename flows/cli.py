@@ -369,6 +369,32 @@ def main() -> None:
     except GromError as exc:
         err.print(Text.assemble(("error:", "bold red"), " ", str(exc)), soft_wrap=True)
         sys.exit(2)
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
+            raise
+        err.print(Text.assemble(("error:", "bold red"), " ", f"the disk is full ({full}); free some space (or "
+                                f"give --home a folder on another disk) and run the command again: what this run "
+                                f"registered is undone by the next one"), soft_wrap=True)
+        sys.exit(2)
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """What a full disk said, anywhere in the chain of `exc` (an OSError ENOSPC, SQLite's "database or disk is
+    full" inside MLflow's and SQLAlchemy's wrappers, DuckDB's write error), or None for any other failure."""
+    import errno
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return exc.strerror or "no space left on device"
+        text = str(exc)
+        for marker in ("database or disk is full", "No space left on device"):
+            if marker in text:
+                return marker
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 if __name__ == "__main__":

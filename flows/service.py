@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect.transactions import transaction
 
+from flows.rebuild import SERVICE_ARTIFACT
 from flows.reconcile import reconcile
 from flows.workspace import Workspace
 from grom_core.data import prompt_format as data_prompt_format
@@ -68,10 +69,14 @@ def register_model(model: str, retain: str, *, name: str | None = None, home: st
     promoted = previous is None
     service = queue.Service(model_name=name, retain_path=str(retain_path), retain_digest=digest, params=params,
                             gates=gates, evaluation=evaluation, prompt_format=prompt_format, method=method)
-    with transaction():  # a failed catalog commit deletes the version and moves the alias back
+    # a failed catalog commit deletes the version and moves the alias back; the service's record goes into the
+    # registry too, so that `grom catalog rebuild` can restore it (flows.rebuild)
+    with tempfile.TemporaryDirectory() as tmp, transaction():
+        record = Path(tmp) / "service.json"
+        record.write_text(json.dumps(asdict(service), indent=1))
         registration = register(ws.root, run_name=f"register-{name}", model_name=name,
                                 params={"model_dir": str(model_path), "retain": str(retain)}, metrics={},
-                                datasets=[], artifacts={}, model_dir=model_path,
+                                datasets=[], artifacts={SERVICE_ARTIFACT: record}, model_dir=model_path,
                                 tags={"grom.kind": "base", STORAGE_TAG: FULL, "grom.owner": queue.claim_owner(),
                                       "fingerprint": fingerprint, "model_dir": str(model_path)})
         if promoted:

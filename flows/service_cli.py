@@ -30,6 +30,7 @@ from grom_core.methods import DEFAULT_METHOD
 model_app = typer.Typer(no_args_is_help=True, help="Models: fetch a shipped one, import a GGUF file, register one "
                                                    "that answers deletion requests.")
 request_app = typer.Typer(no_args_is_help=True, help="Deletion requests: queue, inspect, process.")
+catalog_app = typer.Typer(no_args_is_help=True, help="The workspace's DuckDB catalog.")
 ModelNameOpt = Annotated[str | None, typer.Option(help="Registered model (default: the workspace's only one).")]
 
 
@@ -327,9 +328,26 @@ def serve(
     run_serve(home, cron=cron, interval_s=interval, model_name=model_name, port=port)
 
 
+@catalog_app.command("rebuild")
+def catalog_rebuild(home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Restore the rows of every committed version the registry holds and the catalog lacks (a lost catalog, or
+    one restored from an older copy): runs, edits and services. Requests live only in the catalog."""
+    from flows.rebuild import rebuild_catalog
+
+    setup_logging(True)
+    result = rebuild_catalog(home)
+    table = Table(title=f"catalog rebuilt: {len(result['restored'])} run(s)")
+    for column in ("model", "version", "flow"):
+        table.add_column(column)
+    for row in result["restored"]:
+        table.add_row(row["model_name"], row["version"], row["flow"])
+    emit(result, as_json, table)
+
+
 def add_commands(app: typer.Typer) -> None:
     """Attach the service's commands to the `grom` application."""
     app.add_typer(model_app, name="model")
     app.add_typer(request_app, name="request")
+    app.add_typer(catalog_app, name="catalog")
     for command in (audit, revert, serve):
         app.command()(command)

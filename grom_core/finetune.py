@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grom_core.data import Example, make_batches
 from grom_core.fingerprint import data_digest
+from grom_core.gradient.methods import FROM_SCRATCH_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    setattr(llama, FROM_SCRATCH_FLAG, True)  # saved in config.json: gradient methods pick this kind's recipe
     return LlamaForCausalLM(llama)
 
 

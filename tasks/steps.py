@@ -8,6 +8,7 @@ cache, so no task hashes its inputs (NO_CACHE).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -155,6 +156,12 @@ def unlearn(loaded: LoadedModel, data: Ingested, method: str, params: dict, lake
     and for a closed form the records of its solves and the forget keys (Parquet shards). The retain statistics
     are cached in the lake."""
     entry = get_method(method)
+    if "trainer" in {f.name for f in dataclasses.fields(entry.params)}:
+        from grom_core.gradient.methods import model_kind, with_recipe
+
+        kind = model_kind(loaded.model.config, loaded.model_dir)
+        params = with_recipe(params, kind)
+        log.info("%s: the %s model recipe %s", method, kind, params["trainer"])
     typed = entry.params.from_dict(params)
     root = Path(lake_root)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -10,6 +10,10 @@ Tags grom puts on the versions it registers: `grom.kind` (base, unlearn, request
 edit or same: how the version keeps its weights, see `tasks.versions`), `fingerprint` (of the version's weights),
 `model_dir` (a local folder with them), `parent_version` (the version it was computed from), `edit_id`,
 `base_fingerprint`, `request_ids`, `promoted`, and on a revert `reverts` and `restores`.
+
+Every run and version `register` creates also carries `grom.commit`: "pending" from the run's first write, turned
+to "committed" when the Prefect transaction around it commits (after the catalog commit). A pending registration
+whose owner is dead is what `flows.reconcile` may delete; nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 EXPERIMENT = "grom-unlearning"
 SERVING_ALIAS = "serving"
+COMMIT_TAG, PENDING, COMMITTED = "grom.commit", "pending", "committed"
+MODEL_TAG = "grom.model_name"  # on the run: which registered model it registers into (a run may die before)
 
 
 def configure(root: Path) -> str:
@@ -80,6 +86,15 @@ def _on_rollback(undo: Callable[[], None]) -> None:
         txn.stage(None, on_rollback_hooks=[lambda _txn: undo()])
 
 
+def _on_commit(done: Callable[[], None]) -> None:
+    """Stage `done` to run when the open Prefect transaction commits (none open: it never runs)."""
+    from prefect.transactions import get_transaction
+
+    txn = get_transaction()
+    if txn is not None:
+        txn.stage(None, on_commit_hooks=[lambda _txn: done()])
+
+
 def _flat(prefix: str, metrics: dict) -> dict[str, float]:
     return {f"{prefix}.{k}": float(v) for k, v in metrics.items() if isinstance(v, int | float) and v == v}
 
@@ -112,7 +127,8 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
 
     client = MlflowClient()
     version = None
-    with mlflow.start_run(run_name=run_name) as run:
+    tags = {**tags, COMMIT_TAG: PENDING}
+    with mlflow.start_run(run_name=run_name, tags={COMMIT_TAG: PENDING, MODEL_TAG: model_name}) as run:
         try:
             mlflow.set_tags(tags)
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
@@ -155,7 +171,22 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
             raise
     registration = Registration(run_id=run.info.run_id, model_name=model_name, version=version)
     _on_rollback(lambda: delete_registration(root, registration))
+    _on_commit(lambda: mark_committed(root, registration))
     return registration
+
+
+def mark_committed(root: Path, registration: Registration) -> None:
+    """Record in the registry that the catalog committed this registration (reconcile never deletes it then). A
+    failure here is logged, not raised: the catalog already holds the run, which is what reconcile reads first."""
+    try:
+        mlflow_client = client(root)
+        mlflow_client.set_tag(registration.run_id, COMMIT_TAG, COMMITTED)
+        if registration.version is not None:
+            mlflow_client.set_model_version_tag(registration.model_name, registration.version, COMMIT_TAG,
+                                                COMMITTED)
+    except Exception as exc:  # noqa: BLE001 - the commit already happened; this is bookkeeping
+        log.warning("could not mark run %s committed in the registry (%s); the catalog records it",
+                    registration.run_id, exc)
 
 
 def _ensure_registered_model(mlflow_client, name: str) -> None:

@@ -95,7 +95,24 @@ def _download_full(root: Path, name: str, version: str, out: Path) -> Path:
     if found is None:
         raise DataError(f"version {version} of '{name}' has no safetensors weights among its artifacts; register "
                         f"the model again")
+    _gather_tokenizer(out, found)
     return found
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _gather_tokenizer(out: Path, model_dir: Path) -> None:
+    """MLflow's transformers flavour logs the tokenizer beside the weights (`components/tokenizer/`), not with
+    them: copy its files into the weights' folder, so that the folder loads on its own like the one registered."""
+    if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return
+    found = sorted(p.parent for f in TOKENIZER_FILES for p in out.rglob(f) if p.parent != model_dir)
+    if not found:
+        raise DataError(f"the registered artifacts under {out} hold no tokenizer; register the model again")
+    for item in found[0].iterdir():
+        if item.is_file() and not (model_dir / item.name).exists():
+            shutil.copy2(item, model_dir / item.name)
 
 
 def edit_folder(root: Path, name: str, version: str, tags: dict) -> Path:

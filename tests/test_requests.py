@@ -391,7 +391,7 @@ def test_an_untagged_version_of_a_killed_run_is_found_by_its_run(harness, traine
     mlflow = client(home)
     experiment = mlflow.get_experiment_by_name("grom-unlearning").experiment_id
     run = mlflow.create_run(experiment, tags={"grom.kind": "unlearn", "grom.owner": dead_owner(),
-                                              "parent_version": "1"})
+                                              "parent_version": "1", "grom.commit": "pending"})
     created = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/edit", run.info.run_id)
     foreign = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/other", None)  # another tool's
     root = mlflow.create_model_version("svc", f"{run.info.artifact_uri}/base", None,
@@ -588,6 +588,12 @@ def test_registered_versions_resolve_to_folders_even_when_the_folder_is_gone(tra
     weights = load_file(str(next(downloaded.glob("*.safetensors"))))
     original = load_file(str(Path(trained_dir) / "model.safetensors"))
     assert all(weights[k].equal(original[k]) for k in original)
+    from transformers import AutoTokenizer
+
+    # the registry alone rebuilds a lineage's root: its tokenizer comes with it (MLflow logs it apart)
+    restored = AutoTokenizer.from_pretrained(downloaded, local_files_only=True)
+    assert restored("Question: who?")["input_ids"] == AutoTokenizer.from_pretrained(trained_dir)(
+        "Question: who?")["input_ids"]
 
 
 def _killed(home, args, stage):

@@ -18,9 +18,10 @@ from grom_core.params import Params, ParamsError
 
 @dataclass(frozen=True)
 class TrainerParams(Params):
-    """The recipe, the same for every method. TOFU's is lr 1e-5, 10 epochs, effective batch 32, AdamW on 7B
-    models; tiny models need a larger lr (units: AdamW step size). The effective batch is batch_size x
-    grad_accum examples; max_length is in tokens."""
+    """The recipe, the same for every method; these defaults are the tiny from-scratch models' recipe, and a
+    pretrained model gets `RECIPES[PRETRAINED]` (TOFU's: lr 1e-5, 10 epochs) under the user's values (see
+    `with_recipe`). lr is AdamW's step size; the effective batch is batch_size x grad_accum examples; max_length is
+    in tokens."""
 
     lr: float = 1e-3
     epochs: int = 10
@@ -35,6 +36,43 @@ class TrainerParams(Params):
         if self.lr <= 0 or self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1 or self.max_length < 2:
             raise ParamsError("TrainerParams needs lr > 0, epochs >= 1, batch_size >= 1, grad_accum >= 1 and "
                               "max_length >= 2")
+
+
+FROM_SCRATCH = "from_scratch"  # a model grom trained from scratch (grom_core.finetune): its tiny models
+PRETRAINED = "pretrained"  # anything else: a pretrained language model or a fine-tune of one
+
+# The default recipe of each model kind (TrainerParams fields); a user's `trainer` values win field by field.
+# A pretrained model gets TOFU's recipe for them (lr 1e-5, 10 epochs) with batches that fit forget sets of a few
+# examples; at the tiny models' lr (1e-3) a pretrained model's weights are destroyed within one epoch.
+RECIPES: dict[str, dict] = {
+    FROM_SCRATCH: {},  # TrainerParams' own defaults
+    PRETRAINED: {"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1},
+}
+FROM_SCRATCH_FLAG = "grom_from_scratch"  # set in the config.json of the models grom_core.finetune builds
+
+
+def model_kind(config, model_dir: str | None = None) -> str:
+    """from_scratch for a model grom trained from scratch (its config says so, or, for a model saved before the
+    flag, the training.json grom_core.finetune writes names a tiny configuration), else pretrained."""
+    import json
+    from pathlib import Path
+
+    if getattr(config, FROM_SCRATCH_FLAG, False):
+        return FROM_SCRATCH
+    record = Path(model_dir) / "training.json" if model_dir else None
+    if record is not None and record.is_file():
+        try:
+            trained = json.loads(record.read_text()).get("model", {})
+        except (OSError, ValueError):
+            trained = {}
+        if isinstance(trained, dict) and "vocab_size" in trained:
+            return FROM_SCRATCH
+    return PRETRAINED
+
+
+def with_recipe(values: dict, kind: str) -> dict:
+    """A gradient method's parameters with the model kind's recipe under the user's own `trainer` values."""
+    return {**values, "trainer": {**RECIPES[kind], **dict(values.get("trainer") or {})}}
 
 
 @dataclass(frozen=True)
