@@ -10,7 +10,7 @@ def fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-MARKDOWN_PUNCTUATION = set("\\`*_{}[]()<>#+-.!|~&")
+MARKDOWN_PUNCTUATION = set("\\`*_{}[]()<>#|~&")  # what is inline syntax inside a table cell
 
 
 def md_cell(value, limit: int | None = None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import uuid
 from pathlib import Path
 
@@ -82,6 +83,11 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
                         f"`grom model register` or revert to one with `grom revert`")
     loaded = timings.run("load", steps.load, str(version_model_dir(ws.root, name, parent)))
     check_version_weights(ws.root, name, parent, loaded)  # before any work: a changed folder costs nothing
+    set_aside = set_aside_oversized(catalog, service, ids, loaded)
+    ids = [rid for rid in ids if rid not in set_aside]
+    if not ids:
+        return {"processed": [], "version": None, "promoted": False, "reasons": [], "set_aside": set_aside,
+                "model_name": name}
     batch.parent.mkdir(parents=True, exist_ok=True)
     batch.write_text("".join(json.dumps(row) + "\n" for row in queue.batch_examples(catalog, ids)))
     settings = EvaluationSettings.from_dict(service.evaluation)
@@ -120,11 +126,43 @@ def _answer(ws: Workspace, catalog: Catalog, service: queue.Service, ids: list[i
     swept = purge_traces(ws, catalog) if promoted and purge else None
     log.info("requests %s -> %s version %s (%s)%s", ids, name, registration.version,
              "promoted" if promoted else "not promoted", f": {'; '.join(reasons)}" if reasons else "")
-    return {"processed": ids, "version": registration.version, "promoted": promoted, "reasons": reasons,
+    return {"processed": ids, "set_aside": set_aside, "version": registration.version, "promoted": promoted,
+            "reasons": reasons,
             "status": status, "parent_version": parent, "edit_id": edit_id, "model_name": name,
             "metrics": outcome.metrics(), "purged_examples": purged,
             "purge": dataclasses.asdict(swept) if swept else None, "model_dir": outcome.edited.model_dir,
             "seconds": timings.total()}
+
+
+def set_aside_oversized(catalog: Catalog, service: queue.Service, ids: list[int], loaded: steps.LoadedModel
+                        ) -> dict[int, str]:
+    """Requests holding a row longer than the method reads (its `max_length`, at most the model's positions) go to
+    review with the reason, and the others are answered without them: such a row would be cut, so the edit would
+    forget its first tokens only, and its hundreds of positions would take the edit's retain budget from every
+    other request of the batch. Returns {request id: reason}."""
+    from grom_core.data import as_examples, encode
+    from grom_core.methods import method_params
+
+    typed = method_params(service.method, service.params)
+    limit = getattr(typed, "max_length", None) or getattr(getattr(typed, "trainer", None), "max_length", None)
+    positions = getattr(loaded.model.config, "max_position_embeddings", None)
+    limit = min(v for v in (limit, positions) if v) if (limit or positions) else None
+    if limit is None:
+        return {}
+    out: dict[int, str] = {}
+    for rid in ids:
+        for number, example in enumerate(as_examples(queue.batch_examples(catalog, [rid])), start=1):
+            n = len(encode(loaded.tokenizer, example, max_length=sys.maxsize, fmt=service.prompt_format).input_ids)
+            if n > limit:
+                out[rid] = (f"row {number} is {n} tokens, longer than the {limit} the method reads (max_length): "
+                            f"split it into shorter rows and add it again")
+                break
+    if out:
+        with catalog.transaction() as con:
+            for rid, why in out.items():
+                queue.finish(con, [rid], status=queue.REVIEW, version=None, edit_id=None, run_id=None, reasons=[why])
+        log.warning("requests %s set aside for review: %s", sorted(out), "; ".join(out.values()))
+    return out
 
 
 def purge_traces(ws: Workspace, catalog: Catalog) -> PurgeReport:

@@ -51,7 +51,7 @@ def reconcile(root: Path, catalog: Catalog, name: str, stale_after_s: float = 6 
         if serving_version(root, name) == str(version.version):
             set_serving(root, name, tags.get("parent_version"))
         mlflow.delete_model_version(name, version.version)
-        if run is not None and run.info.status == "RUNNING":
+        if run is not None and run.info.status != "FAILED":  # its registration is undone: the run failed
             mlflow.set_terminated(run.info.run_id, "FAILED")
         removed.append(str(version.version))
         log.warning("removed version %s of %s: registered by a run that died before recording it", version.version,

@@ -214,6 +214,23 @@ def test_a_request_of_texts_is_gated_on_verbmem_and_its_recovery(harness, traine
           f"{after['forget_probability']:.3f}, reasons {done['reasons']}")
 
 
+def test_a_request_with_a_row_the_method_would_cut_is_set_aside_and_the_others_answered(harness, trained_dir, data,
+                                                                                      tmp_path, capsys, monkeypatch):
+    """One request of a batch holds an answer far longer than the model reads: it goes to review with the reason,
+    and the batch's other request is answered on its own (it is not dragged into review with it)."""
+    home = tmp_path / "ws"
+    make_service(capsys, monkeypatch, home, trained_dir, data)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"question": FORGET[9].question, "answer": " ".join(["word"] * 3000)}) + "\n")
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", str(huge), "--home", str(home))
+    grom_json(capsys, monkeypatch, "request", "add", "--forget", data["req1"], "--home", str(home))
+    done = grom_json(capsys, monkeypatch, "request", "process", "--home", str(home))
+    assert done["processed"] == [2] and list(done["set_aside"]) == ["1"] and done["version"] == "2"
+    assert "longer than the 96 the method reads" in done["set_aside"]["1"]
+    assert request_statuses(home) == {1: ("review", None), 2: ("done", "2")}
+    assert "split it into shorter rows" in queue.get_request(Catalog(home / "catalog.duckdb"), 1)["review_reasons"][0]
+
+
 def test_failing_gates_register_without_promotion(harness, trained_dir, data, tmp_path, capsys, monkeypatch):
     home = tmp_path / "ws"
     # an earlier run on the same examples leaves its own dataset, key shards and solve records in the lake
