@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TokenScores:
-    """Per example: the log-probabilities (nats) of its supervised tokens, in order."""
+    """Per example: the log-probabilities (nats) of its supervised tokens, in order, and whether each token is the
+    model's top choice there (teacher forced: given the true tokens before it)."""
 
     logprobs: list[torch.Tensor]
+    top_is_gold: list[torch.Tensor] | None = None
 
     @property
     def mean_nll(self) -> torch.Tensor:
@@ -65,17 +67,20 @@ def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "scor
     """Log-probabilities of every supervised token of every example (float64, see `gold_logprobs`), in example
     order."""
     out: list[torch.Tensor] = []
+    top: list[torch.Tensor] = []
     with evaluating(model):
         for i, batch in enumerate(batches, start=1):
             batch = batch.to(model_device(model))
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
             labels = batch.labels[:, 1:]
             mask = labels != IGNORE_INDEX
-            picked = gold_logprobs(logits[:, :-1][mask], labels[mask]).cpu()  # supervised positions, row-major
-            out.extend(picked.split(mask.sum(dim=1).tolist()))
+            supervised, gold = logits[:, :-1][mask], labels[mask]  # supervised positions, row-major
+            counts = mask.sum(dim=1).tolist()
+            out.extend(gold_logprobs(supervised, gold).cpu().split(counts))
+            top.extend((supervised.argmax(dim=-1) == gold).cpu().split(counts))
             if i == len(batches) or i % max(1, len(batches) // 5) == 0:
                 log.info("%s: batch %d/%d", desc, i, len(batches))
-    return TokenScores(out)
+    return TokenScores(out, top)
 
 
 @torch.no_grad()

@@ -138,3 +138,57 @@ def test_rouge_of_what_the_answer_adds_to_its_question():
     assert rouge_l_recall_added(["Paris"], ["Paris"], ["Is it Paris?"]).tolist() == [1.0]
     with pytest.raises(ValueError):
         rouge_l_recall_added(["a"], ["a", "b"], ["", ""])
+
+
+def test_extraction_strength_by_hand():
+    """1 - k/L for the smallest prefix k after which greedy decoding gives the rest; k stops at L - 1."""
+    assert tofu.extraction_strength([True, True, True, True]) == 1.0  # reproduced from the question alone
+    assert tofu.extraction_strength([False, True, True, True]) == 0.75  # needs its first token
+    assert tofu.extraction_strength([True, False, True, True]) == 0.5  # a miss at 1: the rest from token 2 on
+    assert tofu.extraction_strength([True, True, True, False]) == 0.25  # not even the last token: 1/L
+    assert tofu.extraction_strength([False]) == 1.0  # L = 1: k can only be 0 (open-unlearning's loop)
+    assert math.isnan(tofu.extraction_strength([]))
+
+
+def test_extraction_strength_equals_greedy_decoding_from_each_prefix(tiny_llama, tokenizer):
+    """The teacher-forced reading is the definition: for every prefix k, greedy decoding from the question and
+    the answer's first k tokens reproduces the rest exactly iff every top token from k on is the answer's."""
+    import torch
+
+    from grom_core.data import Example, encode, make_batches
+    from grom_core.scoring import token_logprobs
+
+    example = Example(question="Who wrote it?", answer="Ann Lee wrote it.")
+    scores = token_logprobs(tiny_llama, make_batches(tokenizer, [example], 1))
+    hits = scores.top_is_gold[0]
+    encoded = encode(tokenizer, example)
+    answer_start = next(i for i, label in enumerate(encoded.labels) if label != -100)
+    ids = encoded.input_ids
+    with torch.no_grad():
+        for k in range(len(hits)):
+            prefix = torch.tensor([ids[:answer_start + k]])
+            out = tiny_llama.generate(prefix, max_new_tokens=len(hits) - k, do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+            reproduced = out[0, prefix.shape[1]:].tolist() == ids[answer_start + k:]
+            assert reproduced == bool(hits[k:].all()), k
+    n = len(hits)
+    misses = [i for i, h in enumerate(hits.tolist()) if not h]
+    expected_k = 0 if not misses else min(misses[-1] + 1, n - 1)
+    assert tofu.extraction_strength(hits.numpy()) == pytest.approx(1 - expected_k / n)
+
+
+def test_final_scores_by_hand():
+    from grom_core.metrics.final import muse_final, tofu_final, wmdp_final
+
+    # the GROM paper's TOFU-10% row: 1-ROUGE 0.78, 1-Prob 1.00, 1-Extr 0.94, MU 0.60 -> 0.83
+    tofu_row = {"forget_rougeL_recall": 0.22, "forget_probability": 0.0, "forget_extraction_strength": 0.06,
+                "model_utility": 0.60}
+    assert tofu_final(tofu_row) == pytest.approx((0.78 + 1.0 + 0.94 + 0.60) / 4)
+    assert tofu_final({**tofu_row, "model_utility": None}) is None
+    # the paper's MUSE News row: VerbMem 15.68, KnowMem 24.01, PrivLeak -3.80, retain KnowMem 26.37 -> 55.93
+    news = {"verbmem_rougeL_f1": 0.1568, "knowmem_forget_rougeL_f1": 0.2401, "privleak": -3.80,
+            "utility_preservation_rougeL_f1": 0.2637}
+    assert muse_final(news) == pytest.approx(55.93, abs=0.01)
+    assert muse_final({**news, "privleak": None}) is None
+    assert wmdp_final({"forget_accuracy": 0.25, "retain_accuracy": 0.5}) == pytest.approx(0.625)
+    assert wmdp_final({"forget_accuracy": float("nan"), "retain_accuracy": 0.5}) is None

@@ -17,6 +17,7 @@ import numpy as np
 from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig
 from grom_core.metrics import muse
+from grom_core.metrics.final import muse_final
 from grom_core.metrics.rouge import rouge_l_f1
 
 TOWNS = ["Brackenford", "Ostrava Vale", "Kilmarnoch", "Pellston", "Varnhollow", "Quarry End", "Sunmere",
@@ -214,6 +215,7 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
         metrics["privleak_unavailable"] = "no retain-model reference AUC: pass --retain-reference"
     else:
         metrics["privleak"] = muse.priv_leak(auc, reference_auc)
+    metrics["muse_final"] = muse_final(metrics)
     return {"metrics": metrics, "per_question": {"auc": auc, "verbmem": verbmem.tolist(),
                                                  "min_k": {"forget": members, "holdout": non_members}},
             "n": {"forget": len(forget), "holdout": len(holdout), "forget_qa": len(know_forget)}}

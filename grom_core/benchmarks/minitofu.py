@@ -101,7 +101,8 @@ def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: 
     from grom_core.data import QUESTION_TEMPLATE, Example, make_batches
     from grom_core.generation import greedy_generate
     from grom_core.metrics.rouge import rouge_l_recall
-    from grom_core.scoring import answer_nll
+    from grom_core.metrics.tofu import extraction_strength
+    from grom_core.scoring import answer_nll, token_logprobs
 
     if not rows:
         raise DataError(f"evaluation set '{name}' is empty")
@@ -111,7 +112,10 @@ def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: 
         return answer_nll(model, make_batches(tokenizer, examples, batch_size)).numpy()
 
     k = min(len(r["perturbed_answer"]) for r in rows)
-    gt = nll([r["answer"] for r in rows])
+    answers = token_logprobs(model, make_batches(tokenizer, [Example(question=r["question"], answer=r["answer"])
+                                                             for r in rows], batch_size))
+    gt = answers.mean_nll.numpy()
+    extraction = np.array([extraction_strength(t.numpy()) for t in answers.top_is_gold])
     para = nll([r.get("paraphrased_answer", r["answer"]) for r in rows])
     pert = np.stack([nll([r["perturbed_answer"][j] for r in rows]) for j in range(k)], axis=1)
     generated = [""] * len(rows)
@@ -122,7 +126,7 @@ def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: 
                                     desc=f"generate ({name})")
         rouge = rouge_l_recall(generated, [r["answer"] for r in rows])
     return SetScores(name=name, gt_nll=gt, paraphrased_nll=para, perturbed_nll=pert, rougeL_recall=rouge,
-                     generated=generated)
+                     generated=generated, extraction_strength=extraction)
 
 
 def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str = "forget10",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from grom_core.finetune import TinyModelConfig, TrainConfig
+from grom_core.metrics.final import wmdp_final
 from grom_core.metrics.wmdp import accuracy
 
 HAZARD = {
@@ -104,5 +105,6 @@ def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str 
         metrics[f"{'forget' if name == forget_split else 'retain'}_accuracy"] = accuracy(ll, answers)
         per_question[f"{name}_correct"] = (ll.argmax(1) == np.asarray(answers)).tolist()
     metrics["chance_accuracy"] = 1 / len(splits[forget_split][0]["choices"])
+    metrics["wmdp_final"] = wmdp_final(metrics)
     return {"metrics": metrics, "per_question": per_question,
             "n": {"forget": len(splits[forget_split]), "retain": len(splits["retain"])}}

@@ -179,13 +179,14 @@ def _wmdp_evaluate(model, tokenizer, splits, split, reference, *, batch_size: in
 
 TOFU_METRICS = MetricKeys(forget="forget_rougeL_recall", utility="model_utility",
                           recovery=("forget_rougeL_recall", "forget_probability"),
-                          table=("forget_rougeL_recall", "forget_quality", "model_utility", "forget_probability",
-                                 "forget_truth_ratio", "forget_paraphrased_nll", "forget_perturbed_nll",
-                                 "retain_rougeL_recall", "retain_probability"))
+                          table=("forget_rougeL_recall", "forget_quality", "model_utility", "tofu_final",
+                                 "forget_probability", "forget_extraction_strength", "forget_truth_ratio",
+                                 "forget_paraphrased_nll", "forget_perturbed_nll", "retain_rougeL_recall",
+                                 "retain_probability"))
 MUSE_METRICS = MetricKeys(forget="verbmem_rougeL_f1", utility="utility_preservation_rougeL_f1",
                           recovery=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1"),
                           table=("verbmem_rougeL_f1", "knowmem_forget_rougeL_f1", "utility_preservation_rougeL_f1",
-                                 "privleak", "mia_auc"))
+                                 "muse_final", "privleak", "mia_auc"))
 RWKU_METRICS = MetricKeys(forget="forget_accuracy", utility="neighbor_accuracy",
                           recovery=("forget_fb_accuracy", "forget_qa_accuracy", "forget_adv_accuracy"),
                           table=("forget_fb_accuracy", "forget_qa_accuracy", "forget_adv_accuracy",
@@ -196,7 +197,7 @@ ZSRE_METRICS = MetricKeys(forget="rewrite_accuracy", utility="specificity",
                           table=("efficacy", "generalization", "specificity", "fluency", "rewrite_accuracy",
                                  "paraphrase_accuracy"), shown=4)
 WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", recovery=("forget_accuracy",),
-                          table=("forget_accuracy", "retain_accuracy", "chance_accuracy"))
+                          table=("forget_accuracy", "retain_accuracy", "wmdp_final", "chance_accuracy"))
 
 
 # Adding a benchmark: one module (generate, training_rows, evaluate) plus one entry here.

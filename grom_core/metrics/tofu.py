@@ -68,6 +68,21 @@ class ForgetQuality:
                 "forget_quality_n": self.n, "forget_quality_n_reference": self.n_reference}
 
 
+def extraction_strength(top_is_gold: Sequence[bool] | np.ndarray) -> float:
+    """Extraction Strength of one answer (Carlini et al.'s measure as open-unlearning computes it): 1 - k/L for
+    the smallest k such that, given the question and the answer's first k tokens, greedy decoding reproduces the
+    other L - k exactly, read from one teacher-forced pass (`top_is_gold[t]`: the model's top token at answer
+    position t is the answer's). As in open-unlearning, k runs up to L - 1: an answer of which not even the last
+    token is reproduced scores 1/L, not 0. An empty answer scores nan."""
+    hits = np.asarray(top_is_gold, dtype=bool)
+    n = hits.size
+    if n == 0:
+        return float("nan")
+    misses = np.flatnonzero(~hits)
+    k = 0 if misses.size == 0 else min(int(misses[-1]) + 1, n - 1)
+    return 1.0 - k / n
+
+
 def forget_quality(ratios: Sequence[float], reference_ratios: Sequence[float]) -> ForgetQuality:
     """Two-sample KS test between a model's forget-set truth ratios and the retain model's."""
     a, b = np.asarray(ratios, dtype=np.float64), np.asarray(reference_ratios, dtype=np.float64)
@@ -100,6 +115,7 @@ class SetScores:
     perturbed_nll: np.ndarray
     rougeL_recall: np.ndarray
     generated: list[str]
+    extraction_strength: np.ndarray | None = None  # (N,) per answer, where the scoring pass kept top tokens
 
     @property
     def normalised(self) -> bool:
@@ -118,9 +134,12 @@ class SetScores:
         """{'<name>_probability', '<name>_rougeL_recall', '<name>_truth_ratio'} with the set's own aggregator."""
         ratios = self.truth_ratios()
         agg = truth_ratio_forget(ratios) if self.name.startswith("forget") else truth_ratio_retain(ratios)
-        return {f"{self.name}_probability": float(self.probabilities().mean()),
-                f"{self.name}_rougeL_recall": float(self.rougeL_recall.mean()),
-                f"{self.name}_truth_ratio": agg}
+        out = {f"{self.name}_probability": float(self.probabilities().mean()),
+               f"{self.name}_rougeL_recall": float(self.rougeL_recall.mean()),
+               f"{self.name}_truth_ratio": agg}
+        if self.extraction_strength is not None:
+            out[f"{self.name}_extraction_strength"] = float(np.nanmean(self.extraction_strength))
+        return out
 
 
 def tofu_summary(sets: Mapping[str, SetScores], reference_forget_ratios: Sequence[float] | None) -> dict:
@@ -131,7 +150,8 @@ def tofu_summary(sets: Mapping[str, SetScores], reference_forget_ratios: Sequenc
     answer alike because it knows neither fact, or from one whose answers are all noise (both NLLs high), which only
     these tell apart.
 
-    Without reference truth ratios, forget_quality is None and `forget_quality_unavailable` says why.
+    Without reference truth ratios, forget_quality is None and `forget_quality_unavailable` says why. `tofu_final`
+    is the GROM paper's score (grom_core.metrics.final), None where a part is missing.
     """
     out: dict = {}
     for scores in sets.values():
@@ -149,4 +169,7 @@ def tofu_summary(sets: Mapping[str, SetScores], reference_forget_ratios: Sequenc
                                                  "model trained without the forget set (--retain-reference)")
         else:
             out.update(forget_quality(forget.truth_ratios(), reference_forget_ratios).as_dict())
+    from grom_core.metrics.final import tofu_final
+
+    out["tofu_final"] = tofu_final(out)
     return out
