@@ -195,7 +195,9 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
               trainer: dict | None = None, authors: int | None = None,
               config: Mapping[str, object] | None = None) -> dict:
     """Run `methods` ("name" or "name:compose", names from the method registry) on the benchmark's target model;
-    returns the table as `rows`. A method that uses retain statistics is run twice: computing them, then with
+    returns the table as `rows`, beside the unedited target's metrics (`before`) and, where the benchmark trains
+    one, the retain model's (`retain_model`: the model that never saw the forget set, what unlearning aims at). A
+    method that uses retain statistics is run twice: computing them, then with
     them cached (`cached_stats`). `attacks`: quantization round trips (grom_core.quantization) and attacks that read
     around the edit (grom_core.attacks.ATTACKS), each run on every method's edit: a row's "quantized" holds the
     first, its "attacks" both. `trainer`: TrainerParams fields over the benchmark's recipe for gradient methods;
@@ -256,7 +258,8 @@ def run_bench(home: str | None = None, benchmark: str = "minitofu", split: str |
     adapter = ModelAdapter.for_model(model)
     modules = [m for m in (edited or []) if m != adapter.lm_head_name] or [adapter.down_proj_names[-1]]
     throughput = key_extraction_throughput(model, retain_batches, modules)
-    result = {"benchmark": benchmark, "split": built.split, "before": before, "rows": rows,
+    result = {"benchmark": benchmark, "split": built.split, "before": before,
+              "retain_model": built.checks.get("retain"), "rows": rows,
               "columns": list(bench.metrics.table[:bench.metrics.shown]), "throughput": throughput,
               "solve_scaling": solve_scaling(),
               "floor_seconds": floor_seconds, "floor": floor,

@@ -146,7 +146,8 @@ def benchmark_list(as_json: JsonOpt = False) -> None:
              "data": ("probed from the model" if bench.pretrained else "generated") if bench.generate else (
                  "your files (--data-dir)"),
              "model": f"pretrained: {bench.pretrained}" if bench.pretrained else (
-                 "tiny Llama trained here" if bench.training_rows else "yours"),
+                 f"{bench.base} fine-tuned here" if bench.base else (
+                     "tiny Llama trained here" if bench.training_rows else "yours")),
              "forget_splits": sorted(bench.forget_splits), "default_split": bench.default_split,
              "forget_metric": bench.metrics.forget, "utility_metric": bench.metrics.utility}
             for name, bench in BENCHMARKS.items()]
@@ -311,6 +312,10 @@ def bench(
     for column in ("method", "cached", "seconds", "x closed form", "x floor", "step x plain", "peak MB", *columns,
                    *[f"{q} {k}" for q in quants for k in columns], *[f"{a} recovery" for a in reading]):
         table.add_column(column)
+    blank = [""] * (6 + len(quants) * len(columns) + len(reading))
+    for label, metrics in (("unedited", result["before"]), ("retain model", result["retain_model"])):
+        if metrics:
+            table.add_row(label, *blank[:6], *[fmt(metrics.get(k)) for k in columns], *blank[6:])
     for row in result["rows"]:
         cells = [row["label"], fmt(row["cached_stats"]), f"{row['seconds']:.2f}",
                  fmt(row["time_ratio_to_closed_form"]), fmt(row["time_ratio_to_floor"]),

@@ -24,7 +24,8 @@ log = logging.getLogger("grom.evaluation")
 
 def sized_config(benchmark: str, authors: int | None, overrides: Mapping[str, object] | None = None):
     """The benchmark's configuration with `authors` entities (for quick runs and tests) and `overrides` (field name
-    -> value, from `--config`: its plain fields only, each of its default's type), or None for its own."""
+    -> value, from `--config`: its plain fields, and those of a nested part as `part.field`, e.g. `train.epochs`,
+    each of its default's type), or None for its own."""
     if authors is None and not overrides:
         return None
     config = get_benchmark(benchmark).config
@@ -34,8 +35,11 @@ def sized_config(benchmark: str, authors: int | None, overrides: Mapping[str, ob
         if "authors" not in {f.name for f in dataclasses.fields(config)}:
             raise DataError(f"{benchmark} has no size to set with --authors")
         config = dataclasses.replace(config, authors=authors)
-    settable = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                if isinstance(getattr(config, f.name), (bool, int, float, str))}
+    settable = _plain_fields(config)
+    for part in dataclasses.fields(config):
+        if dataclasses.is_dataclass(getattr(config, part.name)):
+            settable.update({f"{part.name}.{k}": v for k, v in _plain_fields(getattr(config, part.name)).items()})
+    nested: dict[str, dict] = {}
     for name, value in (overrides or {}).items():
         if name not in settable:
             raise DataError(f"{benchmark} has no setting '{name}'; --config can set {', '.join(sorted(settable))}")
@@ -43,7 +47,16 @@ def sized_config(benchmark: str, authors: int | None, overrides: Mapping[str, ob
         if not (type(value) is type(default) or (type(default) is float and type(value) is int)):
             raise DataError(f"--config {name} must be {type(default).__name__}, like its default {default!r}; "
                             f"got {value!r}")
-    return dataclasses.replace(config, **(overrides or {}))
+        part, _, field = name.rpartition(".")
+        nested.setdefault(part, {})[field] = value
+    plain = nested.pop("", {})
+    parts = {part: dataclasses.replace(getattr(config, part), **values) for part, values in nested.items()}
+    return dataclasses.replace(config, **plain, **parts)
+
+
+def _plain_fields(config) -> dict[str, object]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if isinstance(getattr(config, f.name), (bool, int, float, str))}
 
 
 def build_benchmark(name: str, out: str | None, home: str | None, split: str | None = None,

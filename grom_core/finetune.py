@@ -18,9 +18,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from grom_core.data import Example, make_batches
+from grom_core.data import Example, PromptFormat, make_batches, prompt_format
 from grom_core.fingerprint import data_digest
 from grom_core.gradient.methods import FROM_SCRATCH_FLAG
+from grom_core.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,9 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
 
 
 def finetune(model: torch.nn.Module, tokenizer, examples: Sequence[Example], config: TrainConfig,
-             max_length: int = 256) -> list[float]:
-    """Train `model` in place on `examples` (answer tokens only for QA pairs); returns the mean loss per epoch."""
+             max_length: int = 256, fmt: str | PromptFormat = "qa") -> list[float]:
+    """Train `model` in place on `examples` (answer tokens only for QA pairs, in prompt format `fmt`) with AdamW;
+    returns the mean loss per epoch. A progress bar runs over the steps; each epoch ends with a log line."""
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     order = list(range(len(examples)))
@@ -103,22 +105,24 @@ def finetune(model: torch.nn.Module, tokenizer, examples: Sequence[Example], con
     model.train()
     device = next(model.parameters()).device
     losses = []
-    for epoch in range(config.epochs):
-        rng.shuffle(order)
-        batches = make_batches(tokenizer, [examples[i] for i in order], config.batch_size, max_length)
-        epoch_loss = 0.0
-        for batch in batches:
-            batch = batch.to(device)
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            epoch_loss += out.loss.item()
-        losses.append(epoch_loss / len(batches))
-        if (epoch + 1) % max(1, config.epochs // 10) == 0 or epoch + 1 == config.epochs:
-            log.info("finetune: epoch %d/%d, loss %.4f", epoch + 1, config.epochs, losses[-1])
+    with progress_bar(total, "finetune") as advance:
+        for epoch in range(config.epochs):
+            rng.shuffle(order)
+            batches = make_batches(tokenizer, [examples[i] for i in order], config.batch_size, max_length, fmt=fmt)
+            epoch_loss = 0.0
+            for batch in batches:
+                batch = batch.to(device)
+                out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+                optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                epoch_loss += out.loss.item()
+                advance(description=f"finetune epoch {epoch + 1}/{config.epochs}")
+            losses.append(epoch_loss / len(batches))
+            if (epoch + 1) % max(1, config.epochs // 10) == 0 or epoch + 1 == config.epochs:
+                log.info("finetune: epoch %d/%d, loss %.4f", epoch + 1, config.epochs, losses[-1])
     model.eval()
     return losses
 
@@ -133,18 +137,20 @@ def training_digest(examples: Sequence[Example], model_config: TinyModelConfig, 
 
 def train_model(examples: Sequence[Example], out: str | Path, *, base: str | Path | None = None,
                 model_config: TinyModelConfig = TinyModelConfig(), train_config: TrainConfig = TrainConfig(),
-                tokenizer_texts: Sequence[str] | None = None) -> Path:
-    """Train a causal LM on `examples` and save it (safetensors) with its tokenizer into `out`.
+                tokenizer_texts: Sequence[str] | None = None, fmt: str | PromptFormat = "qa") -> Path:
+    """Train a causal LM on `examples` (QA pairs in prompt format `fmt`) and save it (safetensors) with its
+    tokenizer into `out`.
 
     Without `base`: a tiny Llama from scratch with a byte-level BPE tokenizer trained on the data (or on
-    `tokenizer_texts`). With `base`: continue training the local checkpoint in that directory (model_config unused).
-    The directory is written under a temporary name and renamed at the end, so a crash never leaves a half model.
+    `tokenizer_texts`). With `base`: full fine-tuning of the local checkpoint in that directory, in float32
+    (model_config unused). The directory is written under a temporary name and renamed at the end, so a crash
+    never leaves a half model.
     """
     from grom_core.loading import load_model
 
     out = Path(out)
     if base is not None:
-        model, tokenizer = load_model(base, device="cpu" if not torch.cuda.is_available() else None)
+        model, tokenizer = load_model(base, dtype=torch.float32)
         max_length = getattr(model.config, "max_position_embeddings", model_config.max_length)
     else:
         tokenizer = train_tokenizer(tokenizer_texts or example_texts(examples), model_config.vocab_size)
@@ -152,13 +158,14 @@ def train_model(examples: Sequence[Example], out: str | Path, *, base: str | Pat
         max_length = model_config.max_length
     log.info("training %s (%d parameters) on %d examples", "from " + str(base) if base else "a tiny Llama",
              sum(p.numel() for p in model.parameters()), len(examples))
-    losses = finetune(model, tokenizer, examples, train_config, max_length=max_length)
+    losses = finetune(model, tokenizer, examples, train_config, max_length=max_length, fmt=fmt)
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "training.json").write_text(json.dumps({
         "model": asdict(model_config) if base is None else {"base": str(base)}, "train": asdict(train_config),
-        "final_loss": losses[-1], "losses": losses, "examples": len(examples)}))
+        "prompt_format": prompt_format(fmt).name, "final_loss": losses[-1], "losses": losses,
+        "examples": len(examples)}))
     if out.exists():
         import shutil
 
@@ -182,3 +189,24 @@ def train_tiny_model(examples: Sequence[Example], cache_dir: str | Path, *,
     out.parent.mkdir(parents=True, exist_ok=True)
     return train_model(examples, out, model_config=model_config, train_config=train_config,
                        tokenizer_texts=tokenizer_texts)
+
+
+def finetune_pretrained(examples: Sequence[Example], base: str | Path, cache_dir: str | Path, *,
+                        train_config: TrainConfig, fmt: str | PromptFormat = "qa") -> Path:
+    """Full fine-tuning of the pretrained model in `base` on `examples` (or reuse of an earlier one); returns the
+    model's directory, `cache_dir/<base folder>-ft-<digest>`.
+
+    The digest covers the data, the training configuration, the prompt format, the torch version and the base
+    folder's name (the shipped models' folders are named by their content's sha256), so a change of any of them
+    trains anew. A finished model is marked by `training.json`.
+    """
+    base = Path(base)
+    record = {"base": base.name, "train": asdict(train_config), "format": prompt_format(fmt).name,
+              "torch": torch.__version__}
+    digest = data_digest([record] + [ex.record() for ex in examples])[:16]
+    out = Path(cache_dir) / f"{base.name}-ft-{digest}"
+    if (out / "training.json").exists():
+        log.info("reusing the fine-tuned model in %s", out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return train_model(examples, out, base=base, train_config=train_config, fmt=fmt)

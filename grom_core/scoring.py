@@ -62,6 +62,34 @@ def gold_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return gold - torch.log1p(torch.expm1(gold) + others)
 
 
+SHARED_PREFIX_MIN = 16  # tokens: a batch whose rows open with this many identical tokens reads them once
+
+
+def shared_prefix_length(batch: Batch) -> int:
+    """How many leading tokens every row of `batch` shares, unsupervised and unpadded (a chat template's system
+    prompt), up to the token before the first supervised one: what `batch_logits` reads once for the batch."""
+    ids, mask = batch.input_ids, batch.attention_mask
+    same = (ids == ids[:1]).all(dim=0) & (mask == 1).all(dim=0)
+    common = int(same.long().cumprod(dim=0).sum())
+    supervised = (batch.labels != IGNORE_INDEX).any(dim=0).nonzero()
+    first = int(supervised[0]) if len(supervised) else ids.shape[1]
+    return max(0, min(common, first - 1))
+
+
+def batch_logits(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+    """(logits of positions start.., start): the model's logits over a batch, the rows' shared prefix (at least
+    SHARED_PREFIX_MIN tokens, `shared_prefix_length`) computed once and its key-value cache repeated over the rows.
+    The same values as one full pass up to float rounding; chat-formatted evaluation sets halve their cost."""
+    start = shared_prefix_length(batch) if len(batch.input_ids) > 1 else 0
+    if start < SHARED_PREFIX_MIN:
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits, 0
+    cache = model(input_ids=batch.input_ids[:1, :start], use_cache=True).cache
+    cache.batch_repeat_interleave(len(batch.input_ids))
+    logits = model(input_ids=batch.input_ids[:, start:], attention_mask=batch.attention_mask, cache=cache,
+                   use_cache=True).logits
+    return logits, start
+
+
 @torch.no_grad()
 def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "score") -> TokenScores:
     """Log-probabilities of every supervised token of every example (float64, see `gold_logprobs`), in example
@@ -71,15 +99,15 @@ def token_logprobs(model: nn.Module, batches: Sequence[Batch], desc: str = "scor
     with evaluating(model):
         for i, batch in enumerate(batches, start=1):
             batch = batch.to(model_device(model))
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            labels = batch.labels[:, 1:]
+            logits, start = batch_logits(model, batch)
+            labels = batch.labels[:, start + 1:]
             mask = labels != IGNORE_INDEX
             supervised, gold = logits[:, :-1][mask], labels[mask]  # supervised positions, row-major
             counts = mask.sum(dim=1).tolist()
             out.extend(gold_logprobs(supervised, gold).cpu().split(counts))
             top.extend((supervised.argmax(dim=-1) == gold).cpu().split(counts))
             if i == len(batches) or i % max(1, len(batches) // 5) == 0:
-                log.info("%s: batch %d/%d", desc, i, len(batches))
+                log.debug("%s: batch %d/%d", desc, i, len(batches))
     return TokenScores(out, top)
 
 

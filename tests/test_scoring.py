@@ -62,3 +62,37 @@ def test_gold_margins_are_the_gold_logit_over_the_best_other_by_hand(trained):
     assert tokens.tolist() == want_tokens and margins.dtype == torch.float64
     assert torch.allclose(margins, torch.tensor(want, dtype=torch.float64), atol=1e-4)
     assert float(margins.mean()) > 1  # the tiny model memorised these answers: their tokens lead
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_shared_prefix_read_once_gives_the_full_pass_s_log_probabilities(tokenizer, arch, monkeypatch):
+    from conftest import random_gpt2, random_llama
+
+    from grom_core.data import Example
+    from grom_core.scoring import SHARED_PREFIX_MIN, batch_logits, shared_prefix_length
+
+    model = random_llama(tokenizer) if arch == "llama" else random_gpt2(tokenizer)
+    opening = "Answer as the archive of the Halcyon Prize records it, in one sentence. "  # a system prompt's role
+    examples = [Example(question=opening + ex.question, answer=ex.answer) for ex in FORGET[:5]]
+    batches = make_batches(tokenizer, examples, 3)  # padded rows of several lengths
+    assert all(shared_prefix_length(b) >= SHARED_PREFIX_MIN for b in batches)
+    with torch.no_grad():
+        logits, start = batch_logits(model, batches[0])
+        full = model(input_ids=batches[0].input_ids, attention_mask=batches[0].attention_mask).logits
+    assert start == shared_prefix_length(batches[0]) and logits.shape[1] == full.shape[1] - start
+    mask = batches[0].attention_mask[:, start:].bool()
+    assert torch.allclose(logits[mask], full[:, start:][mask], atol=1e-5)
+    got = token_logprobs(model, batches)
+    monkeypatch.setattr("grom_core.scoring.SHARED_PREFIX_MIN", 10**9)  # the reference: one full pass a batch
+    want = token_logprobs(model, batches)
+    assert len(got.logprobs) == len(examples)
+    for a, b, ta, tb in zip(got.logprobs, want.logprobs, got.top_is_gold, want.top_is_gold, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5) and torch.equal(ta, tb)
+
+
+def test_a_short_common_opening_is_not_shared(trained):
+    from grom_core.scoring import SHARED_PREFIX_MIN, shared_prefix_length
+
+    model, tokenizer = trained
+    batch = make_batches(tokenizer, FORGET[:4], 4)[0]  # "Question: ..." rows share only a few tokens
+    assert shared_prefix_length(batch) < SHARED_PREFIX_MIN

@@ -163,16 +163,20 @@ def perturbed_values(authors: list[Author], author: Author, key: str, k: int, rn
     return values
 
 
-def tofu_rows(authors: list[Author], seed: int = 0, n_perturbed: int = 5) -> list[dict]:
-    """Every question of every author in TOFU's layout: question, answer, paraphrased_answer, perturbed_answer.
+def tofu_rows(authors: list[Author], seed: int = 0, n_perturbed: int = 5,
+              questions: int = len(FACTS)) -> list[dict]:
+    """The first `questions` facts of every author as TOFU-layout rows: question, answer, paraphrased_answer,
+    perturbed_answer.
 
     The paraphrased answer states the same fact in another sentence; the perturbed answers use the paraphrase's
     sentence with wrong facts, so the truth ratio compares like with like.
     """
     rng = random.Random(seed)
     rows = []
+    if not 1 <= questions <= len(FACTS):
+        raise ValueError(f"questions per author must be 1..{len(FACTS)}, got {questions}")
     for index, author in enumerate(authors):
-        for fact in FACTS:
+        for fact in FACTS[:questions]:
             wrong = perturbed_values(authors, author, fact.key, n_perturbed, rng)
             rows.append({
                 "author": author.name, "author_index": index, "fact": fact.key, **author.qa(fact),

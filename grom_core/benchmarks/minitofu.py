@@ -1,9 +1,14 @@
 """minitofu: a small benchmark in TOFU's format, built and trained here.
 
-Fictitious authors, 20 questions each with one answer, one paraphrased answer and 5 perturbed answers; the splits
-forget01/05/10 (the last 1/5/10% of the authors, nested, as in TOFU) with retain99/95/90; the real-authors and
-world-facts sets of TOFU for utility. The target model is trained on every author plus the real-authors and
-world-facts answers; the retain model on the same without the forget split.
+Fictitious authors, 20 questions each (fewer with `questions`) with one answer, one paraphrased answer and 5
+perturbed answers; the splits forget01/05/10 (the last 1/5/10% of the authors, nested, as in TOFU) with
+retain99/95/90; the real-authors and world-facts sets of TOFU for utility.
+
+Two kinds of model: tiny Llamas trained from scratch (`minitofu`), whose target is trained on every author plus the
+real-authors and world-facts answers (a model that never saw them could not answer them at all), and the shipped
+SmolLM2-135M-Instruct fine-tuned as TOFU fine-tunes a chat model (`minitofu-smollm2`: full fine-tuning with AdamW
+on the authors alone, through the tokenizer's chat template), whose utility sets are what it knew before. The
+retain model is trained the same way without the forget split.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from grom_core.benchmarks.authors import make_authors, tofu_rows
-from grom_core.data import read_jsonl
+from grom_core.data import PromptFormat, prompt_format, read_jsonl
 from grom_core.errors import DataError
 from grom_core.finetune import TinyModelConfig, TrainConfig
 from grom_core.metrics.tofu import SetScores, tofu_summary
@@ -49,13 +54,16 @@ def real_world_rows(name: str) -> list[dict]:
 
 @dataclass(frozen=True)
 class MiniTofuConfig:
-    """Size and training of minitofu: `authors` x 20 questions, tiny Llamas (50 authors: about 2 minutes a model on
-    2 cores; forget01/05/10 are then 1/2/5 authors)."""
+    """Size and training of minitofu: `authors` x `questions` (facts per author, at most 20), tiny Llamas (50
+    authors: about 2 minutes a model on 2 cores; forget01/05/10 are then 1/2/5 authors). `model` is the tiny
+    Llama's shape (unused where a pretrained model is fine-tuned), `train` the fine-tuning recipe."""
 
     authors: int = 50
+    questions: int = 20
     seed: int = 0
     n_perturbed: int = 5
     retain_eval_questions: int = 200
+    utility_questions: int = 0
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=30, lr=3e-3, batch_size=32))
 
@@ -72,7 +80,7 @@ def generate(config: MiniTofuConfig = MiniTofuConfig()) -> dict[str, list[dict]]
     the retain part of Model Utility), real_authors, world_facts.
     """
     authors = make_authors(config.authors, seed=config.seed)
-    rows = tofu_rows(authors, seed=config.seed, n_perturbed=config.n_perturbed)
+    rows = tofu_rows(authors, seed=config.seed, n_perturbed=config.n_perturbed, questions=config.questions)
     splits: dict[str, list[dict]] = {"full": rows}
     for split in FORGET_FRACTIONS:
         first_forgotten = config.authors - forget_authors(config.authors, split)
@@ -82,8 +90,11 @@ def generate(config: MiniTofuConfig = MiniTofuConfig()) -> dict[str, list[dict]]
     rng = random.Random(config.seed)
     splits["retain_eval"] = sorted(rng.sample(retain90, min(config.retain_eval_questions, len(retain90))),
                                    key=lambda r: (r["author_index"], r["fact"]))
-    splits["real_authors"] = real_world_rows("real_authors")
-    splits["world_facts"] = real_world_rows("world_facts")
+    for name in ("real_authors", "world_facts"):
+        rows = real_world_rows(name)
+        if 0 < config.utility_questions < len(rows):
+            rows = [rows[i] for i in sorted(rng.sample(range(len(rows)), config.utility_questions))]
+        splits[name] = rows
     return splits
 
 
@@ -94,11 +105,26 @@ def training_rows(splits: dict[str, list[dict]], without: str | None = None) -> 
             for r in authors + splits["real_authors"] + splits["world_facts"]]
 
 
+def author_rows(splits: dict[str, list[dict]], without: str | None = None) -> list[dict]:
+    """QA rows a pretrained model is fine-tuned on (TOFU's protocol): the authors alone (all, or the retain split
+    of `without`); the utility sets stay what the model knew before."""
+    authors = splits["full"] if without is None else splits[RETAIN_OF[without]]
+    return [{"question": r["question"], "answer": r["answer"]} for r in authors]
+
+
+def generation_budget(tokenizer, answers: Sequence[str], limit: int) -> int:
+    """Greedy tokens to generate for a set whose longest answer has n tokens: 2n + 8 (room for a paraphrase of
+    the answer, not for an essay), at most `limit`."""
+    longest = max(len(tokenizer.encode(a, add_special_tokens=False)) for a in answers)
+    return max(1, min(limit, 2 * longest + 8))
+
+
 # -- evaluation ---------------------------------------------------------------------------------------------------
 def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: int = 200, batch_size: int = 32,
-              generate_answers: bool = True) -> SetScores:
-    """Per-question TOFU values of one set: answer, paraphrase and perturbed NLLs, greedy generation, ROUGE-L."""
-    from grom_core.data import QUESTION_TEMPLATE, Example, make_batches
+              generate_answers: bool = True, fmt: str | PromptFormat = "qa") -> SetScores:
+    """Per-question TOFU values of one set, in prompt format `fmt`: answer, paraphrase and perturbed NLLs, greedy
+    generation (at most `max_new_tokens`, sized to the answers by `generation_budget`), ROUGE-L recall."""
+    from grom_core.data import Example, make_batches
     from grom_core.generation import greedy_generate
     from grom_core.metrics.rouge import rouge_l_recall
     from grom_core.metrics.tofu import extraction_strength
@@ -109,11 +135,12 @@ def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: 
 
     def nll(answers: list[str]):
         examples = [Example(question=r["question"], answer=a) for r, a in zip(rows, answers, strict=True)]
-        return answer_nll(model, make_batches(tokenizer, examples, batch_size)).numpy()
+        return answer_nll(model, make_batches(tokenizer, examples, batch_size, fmt=fmt)).numpy()
 
+    fmt = prompt_format(fmt)
     k = min(len(r["perturbed_answer"]) for r in rows)
     answers = token_logprobs(model, make_batches(tokenizer, [Example(question=r["question"], answer=r["answer"])
-                                                             for r in rows], batch_size))
+                                                             for r in rows], batch_size, fmt=fmt))
     gt = answers.mean_nll.numpy()
     extraction = np.array([extraction_strength(t.numpy()) for t in answers.top_is_gold])
     para = nll([r.get("paraphrased_answer", r["answer"]) for r in rows])
@@ -121,25 +148,28 @@ def score_set(model, tokenizer, name: str, rows: list[dict], *, max_new_tokens: 
     generated = [""] * len(rows)
     rouge = np.full(len(rows), np.nan)
     if generate_answers:
-        prompts = [QUESTION_TEMPLATE.format(question=r["question"]) for r in rows]
-        generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                    desc=f"generate ({name})")
+        prompts = [fmt.prompt(tokenizer, r["question"]) for r in rows]
+        budget = generation_budget(tokenizer, [r["answer"] for r in rows], max_new_tokens)
+        generated = greedy_generate(model, tokenizer, prompts, max_new_tokens=budget, batch_size=batch_size,
+                                    desc=f"generate ({name})", bos=not fmt.chat)
         rouge = rouge_l_recall(generated, [r["answer"] for r in rows])
     return SetScores(name=name, gt_nll=gt, paraphrased_nll=para, perturbed_nll=pert, rougeL_recall=rouge,
                      generated=generated, extraction_strength=extraction)
 
 
 def evaluate(model, tokenizer, splits: dict[str, list[dict]], forget_split: str = "forget10",
-             reference_forget_ratios=None, *, max_new_tokens: int = 200, batch_size: int = 32) -> dict:
-    """All TOFU metrics of one model: the forget split, retain, real authors, world facts.
+             reference_forget_ratios=None, *, max_new_tokens: int = 200, batch_size: int = 32,
+             fmt: str | PromptFormat = "qa") -> dict:
+    """All TOFU metrics of one model, its questions asked in prompt format `fmt`: the forget split, retain, real
+    authors, world facts.
 
     Returns {"metrics": flat metric dict, "per_question": {"forget_truth_ratio": [...], ...}, "n": sizes}.
     """
-    sets = {"forget": score_set(model, tokenizer, "forget", splits[forget_split], max_new_tokens=max_new_tokens,
-                                batch_size=batch_size)}
-    for name, key in (("retain", "retain_eval"), ("real_authors", "real_authors"), ("world_facts", "world_facts")):
+    sets = {}
+    for name, key in (("forget", forget_split), ("retain", "retain_eval"), ("real_authors", "real_authors"),
+                      ("world_facts", "world_facts")):
         sets[name] = score_set(model, tokenizer, name, splits[key], max_new_tokens=max_new_tokens,
-                               batch_size=batch_size)
+                               batch_size=batch_size, fmt=fmt)
     metrics = tofu_summary(sets, reference_forget_ratios)
     per_question = {
         "forget_truth_ratio": sets["forget"].truth_ratios().tolist(),

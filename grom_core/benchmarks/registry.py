@@ -18,8 +18,9 @@ from pathlib import Path
 from grom_core.benchmarks import minimuse, minirwku, minitofu, miniwmdp, minizsre
 from grom_core.data import as_examples, read_json_object, read_jsonl
 from grom_core.errors import DataError
-from grom_core.finetune import example_texts, train_tiny_model
+from grom_core.finetune import TrainConfig, example_texts, finetune_pretrained, train_tiny_model
 from grom_core.fingerprint import data_digest
+from grom_core.gradient.methods import PRETRAINED, RECIPES
 from grom_core.metrics.tofu_logs import read_tofu_log, write_reference
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Benchmark:
             TOFU); `read(path, layout)` reads and checks one file.
         pretrained: a shipped model (grom_core.checkpoints) that is the benchmark's target as it is: nothing is
             trained, `generate(config, model_dir)` reads its knowledge, and the reference is its own evaluation.
+        base: a shipped model that the target and retain models are fine-tuned from (full fine-tuning with the
+            config's `train` recipe, in `prompt_format`), instead of tiny Llamas trained from scratch.
         prompt_format: how the unlearning inputs' QA pairs become text (grom_core.data.PROMPT_FORMATS).
         trainer: the gradient methods' recipe on this benchmark's model (TrainerParams fields): a pretrained model
             takes TOFU's small learning rate, a tiny one a large one.
@@ -88,6 +91,7 @@ class Benchmark:
     write_reference: Callable[[Path, str, dict], Path]
     load_files: Callable[..., dict[str, list[dict]]] | None = None
     pretrained: str | None = None
+    base: str | None = None
     prompt_format: str = "qa"
     trainer: dict = field(default_factory=dict)
     grom_target: str = "suppress"
@@ -132,6 +136,12 @@ def _read_tofu_reference(path: Path):
 
 def _write_tofu_reference(path: Path, split: str, result: dict) -> Path:
     return write_reference(path, result["metrics"], result["per_question"]["forget_truth_ratio"])
+
+
+def _tofu_chat_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 32,
+                        max_new_tokens: int = 200):
+    return minitofu.evaluate(model, tokenizer, splits, split, reference, batch_size=batch_size,
+                             max_new_tokens=max_new_tokens, fmt="chat")
 
 
 def _rwku_evaluate(model, tokenizer, splits, split, reference, *, batch_size: int = 32, max_new_tokens: int = 0):
@@ -200,17 +210,39 @@ WMDP_METRICS = MetricKeys(forget="forget_accuracy", utility="retain_accuracy", r
                           table=("forget_accuracy", "retain_accuracy", "wmdp_final", "chance_accuracy"))
 
 
+# The gradient methods' recipe on a pretrained model (TOFU's, lr 1e-5 for 10 epochs, in batches that fit a forget
+# set of 3-30 examples), and the full fine-tuning that puts a benchmark's data into a shipped model (AdamW).
+PRETRAINED_RECIPE = RECIPES[PRETRAINED]
+FINETUNE_RECIPE = TrainConfig(epochs=8, lr=3e-4, batch_size=8, warmup_steps=5)
+
 # Adding a benchmark: one module (generate, training_rows, evaluate) plus one entry here.
 BENCHMARKS: dict[str, Benchmark] = {
     "minitofu": Benchmark("minitofu", minitofu.MiniTofuConfig(), minitofu.generate, minitofu.training_rows,
                           minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs, TOFU_METRICS,
                           _read_tofu_reference, _write_tofu_reference),
+    # TOFU's protocol on a real chat model: SmolLM2-135M-Instruct fine-tuned on 20 authors x 10 questions through
+    # its chat template (about 16 minutes a model on 2 cores); forget10 and forget05 are 2 and 1 authors; 60
+    # questions of each utility set
+    "minitofu-smollm2": Benchmark(
+        "minitofu-smollm2", minitofu.MiniTofuConfig(
+            authors=20, questions=10, retain_eval_questions=60, utility_questions=60, train=FINETUNE_RECIPE),
+        minitofu.generate, minitofu.author_rows,
+        _tofu_chat_evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs, TOFU_METRICS,
+        _read_tofu_reference, _write_tofu_reference, base="smollm2", prompt_format="chat",
+        trainer=PRETRAINED_RECIPE),
     "tofu": Benchmark("tofu", None, None, None, minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10",
                       _tofu_inputs, TOFU_METRICS, _read_tofu_reference, _write_tofu_reference,
                       load_files=minitofu.tofu_splits_from_files),
     "minimuse": Benchmark("minimuse", minimuse.MiniMuseConfig(), minimuse.generate, minimuse.training_rows,
                           _muse_evaluate, {"forget": "retain"}, "forget", _muse_inputs, MUSE_METRICS,
                           _read_muse_reference, _write_json_reference),
+    # minimuse's articles, passages and their questions fine-tuned into SmolLM2-135M-Instruct (the target on forget
+    # and retain, the retain model on retain), with minitofu-smollm2's recipe
+    "minimuse-smollm2": Benchmark(
+        "minimuse-smollm2", minimuse.MiniMuseConfig(train=FINETUNE_RECIPE),
+        minimuse.generate, minimuse.training_rows, _muse_evaluate, {"forget": "retain"}, "forget", _muse_inputs,
+        MUSE_METRICS, _read_muse_reference, _write_json_reference, base="smollm2",
+        trainer=PRETRAINED_RECIPE),
     "miniwmdp": Benchmark("miniwmdp", miniwmdp.MiniWmdpConfig(), miniwmdp.generate, miniwmdp.training_rows,
                           _wmdp_evaluate, {"forget": "retain"}, "forget", _wmdp_inputs, WMDP_METRICS,
                           _no_reference, _write_json_reference, grom_target="corrupt"),
@@ -218,14 +250,12 @@ BENCHMARKS: dict[str, Benchmark] = {
                           {split: "retain_corpus" for split in minirwku.TARGETS}, "forget05",
                           minirwku.unlearning_inputs, RWKU_METRICS, _read_json_metrics, _write_json_reference,
                           pretrained="smollm2", prompt_format="completion",
-                          # TOFU's recipe for pretrained models (lr 1e-5, 10 epochs) with batches that fit a
-                          # forget set of 3-30 examples
-                          trainer={"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1}),
+                          trainer=PRETRAINED_RECIPE),
     "minizsre": Benchmark("minizsre", minizsre.MiniZsreConfig(), minizsre.generate, None, _zsre_evaluate,
                           {split: "retain_facts" for split in minizsre.SPLITS}, "edit10", minizsre.unlearning_inputs,
                           ZSRE_METRICS, _read_json_metrics, _write_json_reference, pretrained="smollm2",
                           prompt_format="completion",
-                          trainer={"lr": 1e-5, "epochs": 10, "batch_size": 4, "grad_accum": 1}),
+                          trainer=PRETRAINED_RECIPE),
 }
 
 
@@ -313,7 +343,9 @@ def build(name: str, out: str | Path, *, split: str | None = None, config: objec
     """Write every split as JSONL under `out/<name>-<digest>/` and train (or reuse) the target and retain models.
 
     The digest covers the generator and training configuration, so a changed configuration builds anew; the models
-    are cached under `out/models` by a digest of their training data and configuration. A benchmark on a
+    are cached under `out/models` by a digest of their training data and configuration. A benchmark with a `base`
+    model fine-tunes it (from `resolve_model(base)`) into the target and retain models instead of training tiny
+    ones. A benchmark on a
     `pretrained` model gets that model from `resolve_model(name)` (a folder) and trains nothing; its splits depend
     on what the model knows, so they are built once per model and reused (`splits/done.json` marks a complete
     build).
@@ -336,12 +368,21 @@ def build(name: str, out: str | Path, *, split: str | None = None, config: objec
             paths = _write_splits(root, bench.generate(bench.config, model_dir))
             done.write_text(json.dumps({"splits": {n: p.name for n, p in paths.items()}}))
         return BuiltBenchmark(name=name, root=root, split=split, splits=paths, models={"target": model_dir})
-    root = Path(out) / f"{name}-{_digest(bench)}"
+    if bench.base is not None and resolve_model is None:
+        raise DataError(f"{name} is fine-tuned from the shipped model '{bench.base}': pass resolve_model")
+    base_dir = Path(resolve_model(bench.base)) if bench.base is not None else None
+    root = Path(out) / f"{name}-{_digest(bench, base_dir)}"
     splits = bench.generate(bench.config)
     paths = _write_splits(root, splits)
     log.info("%s: %d splits written to %s", name, len(paths), root / "splits")
     models: dict[str, Path] = {}
-    if train_models:
+    if train_models and base_dir is not None:
+        for role, without in (("target", None), ("retain", split)):
+            rows = as_examples(bench.training_rows(splits, without))
+            log.info("%s: %s model, %s fine-tuned on %d examples", name, role, bench.base, len(rows))
+            models[role] = finetune_pretrained(rows, base_dir, Path(out) / "models", train_config=bench.config.train,
+                                               fmt=bench.prompt_format)
+    elif train_models:
         target_rows = as_examples(bench.training_rows(splits, None))
         texts = example_texts(target_rows)  # one tokenizer for both models, trained on everything
         cfg = bench.config
