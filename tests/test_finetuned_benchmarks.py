@@ -53,7 +53,7 @@ def test_reduced_build_then_bench_through_the_cli(smollm2_home, capsys, monkeypa
     # the target saw the forgotten author, the retain model did not
     assert checks["target"]["forget_probability"] > checks["retain"]["forget_probability"]
     for role in ("target", "retain"):
-        assert 0 <= checks[role]["tofu_final"] <= 1 and 0 < checks[role]["model_utility"] <= 1
+        assert 0 <= checks[role]["tofu_final"] <= 1 and 0 <= checks[role]["model_utility"] <= 1
     assert checks["target"]["forget_quality"] is not None
 
     # built once: a second build reuses the fine-tuned models and the check
@@ -63,16 +63,16 @@ def test_reduced_build_then_bench_through_the_cli(smollm2_home, capsys, monkeypa
 
     code, out, err = run_grom(capsys, monkeypatch, "bench", "--benchmark", "minitofu-smollm2", "--config",
                               json.dumps(REDUCED), "--methods", "grom,npo", "--epochs", "1", "--attacks",
-                              "rtn4", "--home", home, "--json")
+                              "", "--home", home, "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["retain_model"] == checks["retain"] and result["before"]["forget_probability"] == pytest.approx(
         checks["target"]["forget_probability"], abs=1e-6)
     rows = {r["label"]: r for r in result["rows"] if not r["cached_stats"]}
-    assert set(rows) == {"grom", "npo"} and result["trainer"]["lr"] == 1e-5  # TOFU's recipe for a pretrained model
+    assert set(rows) == {"grom", "npo+sum"} and result["trainer"]["lr"] == 1e-5  # TOFU's recipe for a pretrained model
     grom = rows["grom"]["metrics"]
     assert grom["forget_probability"] < result["before"]["forget_probability"]
-    assert grom["tofu_final"] is not None and "rtn4" in rows["grom"]["quantized"]
+    assert grom["tofu_final"] is not None and grom["forget_extraction_strength"] is not None
 
 
 @pytest.mark.e2e
