@@ -221,7 +221,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                           minitofu.evaluate, dict(minitofu.RETAIN_OF), "forget10", _tofu_inputs, TOFU_METRICS,
                           _read_tofu_reference, _write_tofu_reference),
     # TOFU's protocol on a real chat model: SmolLM2-135M-Instruct fine-tuned on 20 authors x 10 questions through
-    # its chat template (about 16 minutes a model on 2 cores); forget10 and forget05 are 2 and 1 authors; 60
+    # its chat template (about 8 minutes a model on 2 cores); forget10 and forget05 are 2 and 1 authors; 60
     # questions of each utility set
     "minitofu-smollm2": Benchmark(
         "minitofu-smollm2", minitofu.MiniTofuConfig(
