@@ -72,7 +72,8 @@ from grom_core.targets import (
 log = logging.getLogger(__name__)
 
 # beta where `beta` is None and the forget keys are at the subjects: their drop is asked of the residual stream at the
-# subject's last token, far from the answer position whose margin `margin_beta` reads; measured on minizsre (README)
+# subject's last token, far from the answer position whose margin `margin_beta` reads; measured on minizsre
+# (docs/minizsre.md)
 SUBJECT_KEYS_BETA = 40.0
 
 
@@ -84,8 +85,8 @@ class GromParams(Params):
         layers: layers whose down-projection is edited; [] edits the LM head alone (suppression with
             `edit_lm_head`). None picks a band by logit-lens attribution, or every layer for sentence drops (what
             a model memorised word for word is not held in one band: on minimuse the attributed band of two
-            forgets less at the same retain budget, README). With specificity drops under a retain budget the band
-            is solved first and scaled to the budget on its own, and the LM head then lowers what it left
+            forgets less at the same retain budget, docs/minimuse.md). With specificity drops under a retain budget
+            the band is solved first and scaled to the budget on its own, and the LM head then lowers what it left
             (`solve_body_first`): what the band removes is gone for any reader of the body (grom_core.attacks),
             what the head adds is not.
         band_width: number of contiguous layers in the automatic band.
@@ -107,7 +108,7 @@ class GromParams(Params):
             targets.margin_beta): about 40 on the tiny models, 16 on SmolLM2's capitals, where 40 takes
             neighbouring facts along (docs/minirwku.md). At subject keys (`keys`) None is SUBJECT_KEYS_BETA, 40:
             the margin is read where the answer is, and a drop asked at the subject, layers before it, with the
-            measured beta (11 on minizsre) forgets half the facts that 40 does (README, minizsre).
+            measured beta (11 on minizsre) forgets half the facts that 40 does (docs/minizsre.md).
         beta_margins: beta in units of that mean margin, when `beta` is None. 4.5 keeps the drop the tiny models
             were tuned at (a memorised answer's tokens lead by about 9 nats there).
         gain: counterfactual and sentence drops: multiple of the gap asked for (> 1 so that phrasings the edit

@@ -101,7 +101,7 @@ def other_questions(examples: Sequence[Example], contexts: int) -> tuple[list[Ex
     (the next ones, cyclically): ([the new examples], [the index in `examples` of the answer each one carries]).
 
     The answer's facts then also stand in contexts the model was not trained on, and a subject's bag is asked of
-    those keys too (GromParams.contexts; README: minitofu). Examples without a subject, and subjects with one row,
+    those keys too (GromParams.contexts; docs/minitofu.md). Examples without a subject, and subjects with one row,
     add nothing."""
     if contexts < 0:
         raise DataError(f"contexts must be >= 0, got {contexts}")
