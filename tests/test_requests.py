@@ -178,11 +178,9 @@ def test_a_request_that_names_its_subject_is_gated_on_what_its_answers_add(harne
     assert 0 <= added < before["forget_added_rougeL_recall"]
     # the gate reads the added words' recall and nothing else about ROUGE-L: whether 0.5 is passed depends on the
     # tiny model's weights (0.510 on one CI machine, below 0.5 on others), the gate's verdict on that figure does not
-    rouge_reasons = [r for r in done["reasons"] if r.startswith("forget ROUGE-L")]
-    assert rouge_reasons == ([f"forget ROUGE-L recall of what the answers add {added:.3f} > 0.5"] if added > 0.5
-                             else [])
+    assert done["reasons"] == ([f"forget ROUGE-L recall of what the answers add {added:.3f} > 0.5"] if added > 0.5
+                               else [])
     assert done["promoted"] is (not done["reasons"])
-    assert not [r for r in done["reasons"] if not r.startswith("forget ROUGE-L")], done["reasons"]
     # whether the whole answers' recall stays above the added words' (the restated question) depends on the tiny
     # model's weights, which the CPU's kernels decide: on an AMD EPYC 0.219 against 0.229, at f879f42 too
     assert 0 <= after["forget_rougeL_recall"] < before["forget_rougeL_recall"]
