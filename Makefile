@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo test test-fast test-math lint clean
 
 $(BIN)/.installed: pyproject.toml requirements/models.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run make PYTHON=python3)"; exit 1; }
@@ -30,6 +30,9 @@ test: lint
 # the fast tier alone: core math, metrics, data, catalog and storage glue (no flows, no CLI)
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not e2e"
+
+test-math: lint
+	$(BIN)/python -m pytest -q -m math
 
 clean:
 	rm -rf $(VENV) .grom .pytest_cache .ruff_cache

@@ -17,18 +17,20 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from flows.bench import attack_kit, evaluate_with_attacks, split_attacks
 from flows.evaluation import build_benchmark, reference_path, sized_config
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import Example, as_examples
 from grom_core.edit import Edit
 from grom_core.errors import DataError
 from grom_core.gradient.methods import TrainerParams
+from grom_core.grom import GromParams, run_grom
+from grom_core.grom.plan import resolve_keys_and_drops
+from grom_core.params import merged
 from grom_core.profiling import measure
 from grom_core.statistics import MemoryStatsStore
 from tasks.records import EvaluationSpec
@@ -54,9 +56,10 @@ MEASURED = ("counterfactual", "sentence")  # the drop kinds measured on the mode
 
 def scaled_beta(params: GromParams, factor: float) -> dict:
     """`factor` times the specificity drop: beta where it is set, else the multiple of the measured margin."""
-    if params.beta is None:
-        return {"beta_margins": params.beta_margins * factor}
-    return {"beta": params.beta * factor}
+    spec = params.specificity
+    if spec.beta is None:
+        return {"specificity": {"margins": spec.margins * factor}}
+    return {"specificity": {"beta": spec.beta * factor}}
 
 
 ABLATIONS: tuple[Ablation, ...] = (
@@ -67,11 +70,11 @@ ABLATIONS: tuple[Ablation, ...] = (
     Ablation("beta x2", "twice the logit drop asked for", lambda p, n: scaled_beta(p, 2.0), ("suppress",),
              drops=("specificity",)),
     Ablation("every answer token", "specificity a(y) without sharpening or threshold",
-             lambda p, n: {"sharpness": 1.0, "threshold": 0.0}, ("suppress",), drops=("specificity",)),
+             lambda p, n: {"specificity": {"sharpness": 1.0, "threshold": 0.0}}, ("suppress",), drops=("specificity",)),
     Ablation("specific tokens only", "specificity sharpened (2) and thresholded (0.5)",
-             lambda p, n: {"sharpness": 2.0, "threshold": 0.5}, ("suppress",), drops=("specificity",)),
-    Ablation("word starts only", "pieces inside a word are not suppressed", lambda p, n: {"word_starts_only": True},
-             ("suppress",), drops=("specificity",)),
+             lambda p, n: {"specificity": {"sharpness": 2.0, "threshold": 0.5}}, ("suppress",), drops=("specificity",)),
+    Ablation("word starts only", "pieces inside a word are not suppressed",
+             lambda p, n: {"specificity": {"word_starts_only": True}}, ("suppress",), drops=("specificity",)),
     Ablation("no LM head", "down-projections only", lambda p, n: {"edit_lm_head": False}, ("suppress",)),
     Ablation("parallel solve", "every module from the original keys, an equal share each",
              lambda p, n: {"strategy": "parallel"}),
@@ -87,16 +90,17 @@ ABLATIONS: tuple[Ablation, ...] = (
     Ablation("specificity drops", "beta * a(y) at every answer position, not the measured gaps (counterfactual or "
              "sentence)", lambda p, n: {"drops": "specificity"}, ("suppress",), drops=MEASURED),
     Ablation("answers after an empty question", "sentence drops rate a QA row's answer after an empty question, "
-             "not after the retain questions nearest to its own (swaps=0)", lambda p, n: {"swaps": 0}, ("suppress",),
-             drops=("sentence",)),
+             "not after the retain questions nearest to its own (swaps=0)", lambda p, n: {"sentence": {"swaps": 0}},
+             ("suppress",), drops=("sentence",)),
     Ablation("drops by position", "each position lowers its own next token by its own gap (scope='position'), "
-             "not its subject's whole bag", lambda p, n: {"scope": "position"}, ("suppress",),
+             "not its subject's whole bag", lambda p, n: {"counterfactual": {"scope": "position"}}, ("suppress",),
              drops=("counterfactual",)),
     Ablation("whole-name strangers", "the strangers replace every word of the subject, not its first: no drop on the "
-             "rest of the name", lambda p, n: {"rename": "whole"}, ("suppress",), drops=("counterfactual",)),
-    Ablation("answers after their own question only", "each forget answer read after its own question, not also "
-             "after another question of its subject (contexts=0)", lambda p, n: {"contexts": 0}, ("suppress",),
+             "rest of the name", lambda p, n: {"counterfactual": {"rename": "whole"}}, ("suppress",),
              drops=("counterfactual",)),
+    Ablation("answers after their own question only", "each forget answer read after its own question, not also "
+             "after another question of its subject (contexts=0)", lambda p, n: {"counterfactual": {"contexts": 0}},
+             ("suppress",), drops=("counterfactual",)),
     Ablation("gain x0.5", "half the measured gap's multiple", lambda p, n: {"gain": p.gain / 2}, ("suppress",),
              drops=MEASURED),
     Ablation("gain x2", "twice the measured gap's multiple", lambda p, n: {"gain": p.gain * 2}, ("suppress",),
@@ -125,7 +129,7 @@ def custom_row(changes: Mapping[str, object]) -> Ablation:
     changes = dict(changes)
     name = json.dumps(changes)
     return Ablation(name, f"the library defaults with {name}",
-                    lambda p, n: {**GromParams(target=p.target, influence=False).to_dict(), **changes})
+                    lambda p, n: merged(GromParams(target=p.target, influence=False).to_dict(), changes))
 
 
 def ablation_params(base: GromParams, row: Ablation, target: str, num_layers: int) -> GromParams:
@@ -201,10 +205,10 @@ def run_ablation(home: str | None = None, benchmark: str = "minitofu", split: st
         else:  # the same weights as an earlier row (a change that is a no-op on this data): the same figures
             metrics, attacked = first["metrics"], first["quantized"]
         out.append({"name": row.name, "why": row.why, "params": params.to_dict(), "seconds": cost.seconds,
-                    "layers": run.layers, "forget_positions": run.edit.metadata["forget_positions"],
-                    "logit_drop": run.edit.metadata.get("logit_drop"),
-                    "retain_budget": run.edit.metadata.get("retain_budget"),
-                    "forget_target": run.edit.metadata.get("forget_target"), "metrics": metrics,
+                    "layers": run.layers, "plan": run.plan.as_dict(),
+                    "forget_positions": run.manifest.forget_positions,
+                    "logit_drop": asdict(run.manifest.logit_drop), "scaling": asdict(run.manifest.scaling),
+                    "metrics": metrics,
                     "quantized": attacked, "same_weights_as": first["name"] if first else None})
         evaluated.setdefault(digest, out[-1])
         log.info("ablation %d/%d %s: %.2f s, %s", i + 1, len(applicable), row.name, cost.seconds,

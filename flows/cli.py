@@ -16,6 +16,7 @@ from flows.console import (
     HomeOpt,
     JsonOpt,
     MethodOpt,
+    Verbosity,
     before_after_table,
     emit,
     err,
@@ -37,16 +38,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.callback()
 def _root(threads: Annotated[int | None, typer.Option(
         min=1, help="CPU threads torch may use (default: OMP_NUM_THREADS if set, else one per core). Beside another "
-                    "busy process, fewer threads than cores is often faster.")] = None) -> None:
+                    "busy process, fewer threads than cores is often faster.")] = None,
+          verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what every stage does, not only its "
+                                                                       "summary line.")] = False) -> None:
     """Retraining-free unlearning: a closed-form edit with exact per-example influence."""
     set_threads(threads)
+    Verbosity.detail = verbose
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]
 ComposeOpt = Annotated[str | None, typer.Option(help="Gradient composition of a gradient method: sum, pcgrad or sago "
                                                      "(sets its `compose` parameter).")]
-ParamsOpt = Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 60}; unknown '
-                                                    'names and wrong types are refused before any work.')]
+ParamsOpt = Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"retain_budget": 0.02}; '
+                                                    'unknown names and wrong types are refused before any work.')]
 
 
 def _method_params(params: str | None, compose: str | None = None, layers: str | None = None) -> dict:
@@ -351,7 +355,7 @@ def _ablation_table(home: str | None, benchmark: str, split: str | None, authors
     table.add_row("unedited", "", "", "", "", "", *[fmt(result["before"].get(k)) for k in columns],
                   *["" for _ in result["attacks"]])
     for row in result["rows"]:
-        drop, fit, aim = row["logit_drop"] or {}, row.get("retain_budget"), row.get("forget_target")
+        drop, fit, aim = row["logit_drop"], row["scaling"]["budget"], row["scaling"]["forget_target"]
         drops = f"{drop['asked_mean']:.3g} / {drop['achieved_mean']:.3g}" if drop else ""
         budget = f"{fit['scale']:.3g} ({fit['damage']:.3f})" if fit else ""
         aimed = f"{aim['scale']:.3g} ({aim['probability']:.3g})" if aim else ""

@@ -31,7 +31,16 @@ MethodOpt = Annotated[str, typer.Option(help="Unlearning method: " + "; ".join(
     f"{m.name} ({m.summary})" for m in METHODS.values()) + ".")]
 
 
-def setup_logging(verbose: bool) -> None:
+class Verbosity:
+    """How much a command logs, set once per process by `grom -v` (the root callback) before any command runs."""
+
+    detail = False
+
+
+def setup_logging(stages: bool) -> None:
+    """Logging to stderr: a command with long stages (`stages`) logs each stage's summary line (logger "grom");
+    the library's own lines (grom_core, tasks) appear with `grom -v` only, where every stage says what it did."""
+    verbose = stages and Verbosity.detail
     root = logging.getLogger()
     for handler in root.handlers[:]:
         # removed but not closed (which basicConfig(force=True) would do): a library's handler (absl's, added on
@@ -39,10 +48,10 @@ def setup_logging(verbose: bool) -> None:
         root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False, markup=False)])
-    logging.getLogger("grom").setLevel(logging.INFO)
+    logging.getLogger("grom").setLevel(logging.INFO if stages else logging.WARNING)
     logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)
-    for noisy in ("transformers", "httpx"):
+    for noisy in ("transformers", "httpx", *(() if verbose else ("prefect", "mlflow", "alembic"))):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 

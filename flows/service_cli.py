@@ -125,7 +125,8 @@ def model_register(
     gates: Annotated[str | None, typer.Option(help='Gate thresholds as JSON, e.g. {"max_forget_rougeL_recall": '
                                                    '0.4}.')] = None,
     method: MethodOpt = DEFAULT_METHOD,
-    params: Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. {"beta": 80}.')] = None,
+    params: Annotated[str | None, typer.Option(help='The method\'s parameters as JSON, e.g. '
+                                                    '{"retain_budget": 0.02}.')] = None,
     evaluation: Annotated[str | None, typer.Option(help='Evaluation settings as JSON: {"max_examples": 200, '
                                                         '"quantizers": ["fp4", "nf4"], "attacks": ["head_swap", '
                                                         '"logit_lens", "relearn"]}.')] = None,

@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ModelAdapter": "grom_core.adapter",
-    "GromParams": "grom_core.closed_form", "GromRun": "grom_core.closed_form",
-    "compute_edit": "grom_core.closed_form", "run_grom": "grom_core.closed_form",
+    "GromParams": "grom_core.grom", "GromRun": "grom_core.grom", "Plan": "grom_core.grom",
+    "compute_edit": "grom_core.grom", "run_grom": "grom_core.grom",
     "Example": "grom_core.data",
     "Edit": "grom_core.edit", "ModuleDelta": "grom_core.edit", "Undo": "grom_core.edit",
     "GromError": "grom_core.errors",
@@ -35,8 +35,8 @@ _EXPORTS = {
 
 __all__ = [
     "METHODS", "Edit", "Example", "GramStats", "GromError", "GromParams", "GromRun", "Method", "MethodContext",
-    "MethodRun", "ModelAdapter", "ModuleDelta", "Params", "Undo", "compute_edit", "get_method", "influence_report",
-    "leave_one_out", "output_influence", "run_grom", "solve_edit",
+    "MethodRun", "ModelAdapter", "ModuleDelta", "Params", "Plan", "Undo", "compute_edit", "get_method",
+    "influence_report", "leave_one_out", "output_influence", "run_grom", "solve_edit",
 ]
 
 
@@ -54,10 +54,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from grom_core.adapter import ModelAdapter
-    from grom_core.closed_form import GromParams, GromRun, compute_edit, run_grom
     from grom_core.data import Example
     from grom_core.edit import Edit, ModuleDelta, Undo
     from grom_core.errors import GromError
+    from grom_core.grom import GromParams, GromRun, Plan, compute_edit, run_grom
     from grom_core.influence import influence_report, leave_one_out, output_influence
     from grom_core.methods import METHODS, Method, MethodContext, MethodRun, get_method
     from grom_core.params import Params

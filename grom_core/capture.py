@@ -19,6 +19,7 @@ from grom_core.adapter import get_module
 from grom_core.data import IGNORE_INDEX, Batch
 from grom_core.errors import NonFiniteError
 from grom_core.modes import evaluating
+from grom_core.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +162,17 @@ def capture(model: nn.Module, inputs: Sequence[str] = (), outputs: Sequence[str]
 def iter_captured(model: nn.Module, batches: Iterable[Batch], inputs: Sequence[str] = (),
                   outputs: Sequence[str] = (), early_stop: bool = True, desc: str = "capture"
                   ) -> Iterator[CapturedBatch]:
-    """Yield one CapturedBatch per batch, logging progress (batches and positions) at INFO level."""
+    """Yield one CapturedBatch per batch, with a progress bar named `desc` (a terminal's only) and a DEBUG line
+    when the last batch is done."""
     batches = list(batches)
     positions = 0
-    with capture(model, inputs, outputs, early_stop) as cap:
-        for i, batch in enumerate(batches, start=1):
+    with capture(model, inputs, outputs, early_stop) as cap, progress_bar(len(batches), desc) as advance:
+        for batch in batches:
             got = cap.run(batch)
             positions += got.size
-            if i == len(batches) or i % max(1, len(batches) // 10) == 0:
-                log.info("%s: batch %d/%d, %d supervised positions", desc, i, len(batches), positions)
+            advance()
             yield got
+    log.debug("%s: %d batches, %d supervised positions", desc, len(batches), positions)
 
 
 def collect(model: nn.Module, batches: Iterable[Batch], inputs: Sequence[str] = (), outputs: Sequence[str] = (),

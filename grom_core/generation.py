@@ -11,6 +11,7 @@ from torch import nn
 from grom_core.capture import model_device
 from grom_core.data import bos_prefix, pad_token_id
 from grom_core.modes import evaluating
+from grom_core.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_
     bos = bos_prefix(tokenizer) if bos else []  # a chat-templated prompt opens the sequence itself
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     outputs: list[str] = []
-    with evaluating(model):
+    with evaluating(model), progress_bar(len(prompts), desc) as advance:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
             encoded = [bos + tokenizer.encode(p, add_special_tokens=False) for p in chunk]
@@ -45,5 +46,6 @@ def greedy_generate(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_
                 if tokenizer.eos_token_id in row:
                     row = row[:row.index(tokenizer.eos_token_id)]
                 outputs.append(tokenizer.decode(row, skip_special_tokens=True).strip())
-            log.info("%s: %d/%d", desc, min(start + batch_size, len(prompts)), len(prompts))
+            advance(len(chunk))
+    log.debug("%s: %d prompts", desc, len(prompts))
     return outputs

@@ -15,14 +15,39 @@ are flagged as high leverage and, when asked, refit directly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from grom_core.errors import ShapeMismatchError
 from grom_core.solver import check_inputs, factor_system
 
+if TYPE_CHECKING:
+    from grom_core.statistics import GramStats
+
 DEFAULT_LEVERAGE_THRESHOLD = 1e-6
+
+
+@dataclass
+class SolveRecord:
+    """Everything one module's solve used, kept for the influence audit. Shapes: keys (n, s), targets (m, s),
+    example_ids, positions and tokens (s,) (the gold next token at each position); ridge is mu, w_forget and
+    w_retain the objective's weights (REFERENCE section 1). An LM head's targets are kept by their non-zero rows
+    (`target_rows`), which leaves every norm of the influence audit unchanged."""
+
+    module: str
+    keys: torch.Tensor
+    targets: torch.Tensor
+    example_ids: torch.Tensor
+    ridge: float
+    retain_count: int
+    w_forget: float = 1.0
+    w_retain: float = 1.0
+    positions: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    target_rows: torch.Tensor | None = None  # (u,) for a row-sparse target: targets are the rows D[target_rows]
 
 
 @dataclass
@@ -183,3 +208,18 @@ def output_influence(forget_keys: torch.Tensor, targets: torch.Tensor, retain_gr
         m_i = solved.m_blocks[row, :k, :k]
         out[int(example)] = solved.residual[:, cols] @ torch.linalg.solve(m_i, zq[cols])
     return out
+
+
+def record_influence(record: SolveRecord, stats: GramStats) -> InfluenceReport:
+    """Exact leave-one-out influence of every forget example on one module's edit, from what its solve used.
+
+    Exact for that module with everything else held fixed: its keys, targets, specificity weights, the chosen
+    layers and c = w_forget / s. Leaving an example out for real would also change those (see
+    methods.refit_without)."""
+    return influence_report(record.keys, record.targets, stats.gram, record.retain_count, record.example_ids,
+                            w_forget=record.w_forget, w_retain=record.w_retain, ridge=record.ridge)
+
+
+def audit(records: Mapping[str, SolveRecord], stats: Mapping[str, GramStats]) -> dict[str, InfluenceReport]:
+    """Exact leave-one-out influence of every forget example on every module's edit."""
+    return {name: record_influence(rec, stats[name]) for name, rec in records.items()}

@@ -24,9 +24,10 @@ from grom_core.params import Params
 
 if TYPE_CHECKING:
     from grom_core.adapter import ModelAdapter
-    from grom_core.closed_form import GromParams, SolveRecord
     from grom_core.edit import Edit
     from grom_core.gradient.methods import MethodParams, Objective
+    from grom_core.grom import GromParams
+    from grom_core.influence import SolveRecord
     from grom_core.statistics import GramStats, StatsComputer, StatsStore
 
 
@@ -120,14 +121,14 @@ class Method:
 
 def closed_form(model, tokenizer, forget, retain, params: GromParams, context: MethodContext) -> MethodRun:
     """GROM. The influence audit is left to the caller (it needs only `records` and `retain_stats`)."""
-    from grom_core.closed_form import run_grom
+    from grom_core.grom import run_grom
 
     run = run_grom(model, tokenizer, forget, retain, params.replace(influence=False), adapter=context.adapter,
                    stats_store=context.stats_store, compute_stats=context.compute_stats,
                    prompt_format=context.prompt_format)
-    scores = run.layer_scores.as_rows() if run.layer_scores is not None else []
-    return MethodRun(edit=run.edit, forward_passes=None, layers=tuple(run.layers),
-                     layer_scores=tuple({**r, "chosen": r["layer"] in run.layers} for r in scores),
+    scores = [{"layer": i, "forget": s, "retain": None, "score": s, "chosen": i in run.plan.layers}
+              for i, s in enumerate(run.plan.layer_scores)]
+    return MethodRun(edit=run.edit, forward_passes=None, layers=run.plan.layers, layer_scores=tuple(scores),
                      records=run.records, retain_stats=run.retain_stats, reused_stats=tuple(run.reused_stats),
                      timings_s=run.timings_s)
 
@@ -153,7 +154,7 @@ DEFAULT_METHOD = "grom"
 _GRADIENT = "grom_core.gradient.methods"
 
 METHODS: dict[str, Method] = {
-    "grom": Method("grom", "grom_core.closed_form:GromParams", closed_form,
+    "grom": Method("grom", "grom_core.grom:GromParams", closed_form,
                    "closed-form edit (forward passes and one solve per module)"),
     "ga": gradient_method("ga", f"{_GRADIENT}:GAParams", f"{_GRADIENT}:GA", "gradient ascent"),
     "graddiff": gradient_method("graddiff", f"{_GRADIENT}:GradDiffParams", f"{_GRADIENT}:GRADDIFF",

@@ -21,7 +21,7 @@ from typing import Any, Self
 
 from grom_core.errors import ParamsError
 
-__all__ = ["Params", "ParamsError"]
+__all__ = ["Params", "ParamsError", "merged"]
 
 
 def _type_name(tp: Any) -> str:
@@ -114,5 +114,19 @@ class Params:
         return params
 
     def replace(self, **changes: Any) -> Self:
-        """A copy with `changes` (checked like `from_dict`)."""
-        return type(self).from_dict({**self.to_dict(), **changes})
+        """A copy with `changes` (checked like `from_dict`); a mapping given for a nested Params changes only the
+        fields it names."""
+        return type(self).from_dict(merged(self.to_dict(), changes))
+
+
+def merged(values: Mapping[str, Any], changes: Mapping[str, Any]) -> dict:
+    """`values` with `changes` applied, nested mappings merged key by key rather than replaced."""
+    out = dict(values)
+    for key, change in changes.items():
+        if isinstance(change, Params):
+            change = change.to_dict()
+        if isinstance(change, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], change)
+        else:
+            out[key] = change
+    return out

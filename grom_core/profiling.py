@@ -93,3 +93,7 @@ class Timings:
 
     def total(self) -> float:
         return time.perf_counter() - self.started
+
+    def summary(self) -> str:
+        """One line: each stage's seconds, in the order the stages first ran."""
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())

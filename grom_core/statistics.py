@@ -21,7 +21,7 @@ from torch import nn
 from grom_core.adapter import get_module, weight_out_in
 from grom_core.capture import iter_captured
 from grom_core.data import Batch
-from grom_core.errors import FingerprintMismatchError, NonFiniteError, ShapeMismatchError
+from grom_core.errors import DataError, FingerprintMismatchError, NonFiniteError, ShapeMismatchError
 
 FORMAT_VERSION = 1
 
@@ -162,3 +162,56 @@ def accumulate(model: nn.Module, batches: Iterable[Batch], modules: Sequence[str
         for name in modules:
             stats[name].update(got.inputs[name])
     return stats
+
+
+class RetainSource(Protocol):
+    """What retain statistics are read from and checked against: the retain batches, the model's weights
+    fingerprint and the digest of what the statistics depend on (retain data, max_length, prompt format)."""
+
+    retain_batches: Sequence[Batch]
+    fingerprint: str
+    stats_digest: str
+
+
+def check_statistics(stats: Mapping[str, GramStats], source: RetainSource) -> None:
+    """Refuse statistics computed on other weights, other retain data or another `max_length`."""
+    for name, st in stats.items():
+        if st.fingerprint != source.fingerprint:
+            raise FingerprintMismatchError(
+                f"retain statistics of '{name}' were computed on model {st.fingerprint[:12] or '(unrecorded)'}, not "
+                f"{source.fingerprint[:12]}; recompute them for this model")
+        if st.data_digest != source.stats_digest:
+            raise DataError(f"retain statistics of '{name}' were computed on other retain data (or another "
+                            f"max_length): digest {st.data_digest[:12] or '(unrecorded)'}, expected "
+                            f"{source.stats_digest[:12]}; recompute them for this retain data")
+
+
+def retain_statistics(model: nn.Module, source: RetainSource, modules: Sequence[str],
+                      cached: Mapping[str, GramStats] | None = None, *, store: StatsStore | None = None,
+                      compute: StatsComputer | None = None) -> tuple[dict[str, GramStats], list[str]]:
+    """GramStats per module and the names of those that were reused.
+
+    Reused: `cached` (checked against the source's fingerprint and digest), then whatever `store` holds under
+    them. The rest are computed (by `compute` when given, e.g. sharded over a cluster, else in this process, the
+    pass stopped at the last hooked input) and saved to `store`.
+    """
+    stats = {m: st for m, st in (cached or {}).items() if m in modules}
+    check_statistics(stats, source)
+    missing = [m for m in modules if m not in stats]
+    if missing and store is not None:
+        found = store.load(source.fingerprint, source.stats_digest, missing)
+        check_statistics(found, source)
+        stats.update(found)
+    reused = [m for m in modules if m in stats]
+    missing = [m for m in modules if m not in stats]
+    if missing:
+        if compute is not None:
+            computed = compute(missing, source.fingerprint, source.stats_digest)
+        else:
+            computed = accumulate(model, source.retain_batches, missing, fingerprint=source.fingerprint,
+                                  data_digest=source.stats_digest)
+        check_statistics(computed, source)
+        if store is not None:
+            store.save(computed)
+        stats.update(computed)
+    return {m: stats[m] for m in modules}, reused

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from grom_core.closed_form import SolveRecord
+from grom_core.influence import SolveRecord
 from grom_core.statistics import GramStats
 from tasks.names import safe_name
 

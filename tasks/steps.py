@@ -19,10 +19,10 @@ from prefect.cache_policies import NO_CACHE
 
 from grom_core.adapter import ModelAdapter, get_module, output_head_name, weight_out_in
 from grom_core.benchmarks.registry import get_benchmark, read_split
-from grom_core.closed_form import record_influence
 from grom_core.edit import Edit, Undo
 from grom_core.errors import DataError, UnsupportedArchitectureError
 from grom_core.fingerprint import data_digest, weights_fingerprint
+from grom_core.influence import record_influence
 from grom_core.loading import load_model
 from grom_core.methods import MethodContext, get_method
 from grom_core.metrics.muse import FORGET_VERBATIM

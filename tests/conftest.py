@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny real models built in the test session (no network, no downloads)."""
+"""Shared fixtures: tiny real models built in the test session (no network, no downloads), and the three tiers.
+
+Every test is in one tier: `e2e` (marked by hand: flows, request service, CLI, bench, wheels), else `model` (it
+uses a model fixture below: tiny-model behaviour stated as contracts), else `math` (pure math and data, seconds).
+`make test-math`, `make test-fast` (math and model) and `make test` (all) run them."""
 
 import os
 import tempfile
@@ -28,6 +32,16 @@ HAS_BITSANDBYTES = bitsandbytes_available()
 needs_bitsandbytes = pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (no wheel for "
                                         "this platform): the FP4, NF4 and int8 attacks cannot run")
 ATTACK = "fp4" if HAS_BITSANDBYTES else "rtn4"  # the 4-bit attack a test runs: FP4 where it can
+
+MODEL_FIXTURES = {"trained", "trained_dir", "tiny_llama", "tiny_gpt2", "small_workspace", "smollm2", "smollm2_home",
+                  "harness"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.model if MODEL_FIXTURES & set(item.fixturenames) else pytest.mark.math)
+
 
 # The memorisation fixture: 8 authors x 8 questions, 2 authors forgotten. Trains in about 10 s on 2 cores.
 AUTHORS = make_authors(8, seed=1)

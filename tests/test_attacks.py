@@ -22,9 +22,9 @@ from grom_core.attacks import (
     relearned,
     split_halves,
 )
-from grom_core.closed_form import GromParams, run_grom
 from grom_core.data import Example
 from grom_core.fingerprint import weights_fingerprint
+from grom_core.grom import GromParams, run_grom
 from grom_core.scoring import answer_probability
 
 

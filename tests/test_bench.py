@@ -41,7 +41,7 @@ def test_bench_rows_plot_and_mlflow(small_workspace):
 
 def test_ablation_rows_change_one_thing_each(small_workspace):
     from flows.ablation import ABLATIONS, run_ablation
-    from grom_core.closed_form import GromParams
+    from grom_core.grom import GromParams
 
     tmp_path = small_workspace / "ws"
     result = run_ablation(str(tmp_path), "minitofu", None, ("benchmark parameters", "library defaults",
@@ -89,8 +89,10 @@ def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, ("bogus",), authors=10)
     with pytest.raises(DataError, match="relative_ridge must be float"):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"relative_ridge": "big"}])
-    with pytest.raises(DataError, match="need beta > 0"):
-        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"beta": -1}])
+    with pytest.raises(DataError, match="need gain > 0"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"gain": -1}])
+    with pytest.raises(DataError, match="need specificity.beta > 0"):
+        run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, custom=[{"specificity": {"beta": -1}}])
     with pytest.raises(DataError, match="no attack named 'q2'; attacks: fp4, nf4"):
         run_ablation(str(tmp_path / "ws"), "minitofu", None, None, authors=10, attacks=("gguf_q4_1", "q2"))
     assert not (tmp_path / "ws").exists()
@@ -98,8 +100,8 @@ def test_ablation_refuses_an_unknown_row_before_any_work(tmp_path):
 
 def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     from flows.ablation import ABLATIONS, applicable_rows
-    from grom_core.closed_form import GromParams
     from grom_core.data import Example
+    from grom_core.grom import GromParams
 
     qa = [Example(question="Where was Aurelio Marlowe born?", answer="Aurelio Marlowe was born in Lisbon.")]
     named = [Example(question=qa[0].question, answer=qa[0].answer, subject="Aurelio Marlowe")]

@@ -99,13 +99,13 @@ def test_bad_option_is_a_usage_error(tmp_path, capsys, monkeypatch):
 
 
 def test_tofu_score_on_the_real_logs():
-    logs = "grom_core/resources/tofu/eval-logs"
+    logs = "data/tofu/eval-logs"
     done = grom("tofu-score", f"{logs}/llama2-7b_full.json", "--retain", f"{logs}/llama2-7b_retain90.json", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert abs(result["forget_quality"] / 1.8e-21 - 1) < 0.05 and result["forget_quality_n"] == 300
     assert abs(result["model_utility"] - 0.62) < 0.005
-    done = grom("tofu-score", "grom_core/resources/tofu/idontknow.jsonl", "--retain", f"{logs}/llama2-7b_retain90.json")
+    done = grom("tofu-score", "data/tofu/idontknow.jsonl", "--retain", f"{logs}/llama2-7b_retain90.json")
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 

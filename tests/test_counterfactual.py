@@ -8,7 +8,6 @@ import torch
 from conftest import AUTHORS, FORGET, RETAIN
 
 from grom_core.adapter import ModelAdapter
-from grom_core.closed_form import GromParams, run_grom
 from grom_core.counterfactual import (
     aligned,
     counterfactual_drops,
@@ -21,6 +20,7 @@ from grom_core.counterfactual import (
 )
 from grom_core.data import Example, encode, make_batches
 from grom_core.errors import DataError, ParamsError
+from grom_core.grom import GromParams, run_grom
 from grom_core.scoring import answer_nll
 
 NAMES = [a.name for a in AUTHORS]
@@ -137,7 +137,7 @@ def test_closed_form_with_counterfactual_drops_forgets_and_keeps_retain(trained)
     forget = named(FORGET)
     params = GromParams(influence=False)
     run = run_grom(model, tokenizer, forget, RETAIN, params)
-    assert run.edit.metadata["drops"] == "counterfactual"  # auto: subjects named, answer keys
+    assert run.plan.drops == "counterfactual"  # auto: subjects named, answer keys
     nll = lambda exs: float(answer_nll(model, make_batches(tokenizer, exs, 16)).mean())  # noqa: E731
     before_f, before_r = nll(FORGET), nll(RETAIN)
     with run.edit.applied(model):
@@ -145,7 +145,7 @@ def test_closed_form_with_counterfactual_drops_forgets_and_keeps_retain(trained)
     # the subject's bag lowers many tokens a little, not the trained answers a lot (0.003 -> 0.5 nats here)
     assert after_f > before_f + 0.3 and after_r < before_r + 0.1
     plain = run_grom(model, tokenizer, FORGET, RETAIN, params)  # no subjects: the specificity drops
-    assert plain.edit.metadata["drops"] == "specificity"
+    assert plain.plan.drops == "specificity"
     with pytest.raises(DataError, match="name their subject"):
         run_grom(model, tokenizer, FORGET, RETAIN, params.replace(drops="counterfactual"))
     with pytest.raises(DataError, match="keys='answer'"):
@@ -155,18 +155,18 @@ def test_closed_form_with_counterfactual_drops_forgets_and_keeps_retain(trained)
 def test_retain_budget_scales_the_update_until_the_retain_sample_fits(trained):
     model, tokenizer = trained
     forget = named(FORGET)
-    band = tuple(run_grom(model, tokenizer, forget, RETAIN, GromParams(influence=False)).edit.metadata["layers"])
-    # layers named: one solve, scaled as a whole (the library's own band is scaled first, test_closed_form)
+    band = tuple(run_grom(model, tokenizer, forget, RETAIN, GromParams(influence=False)).plan.layers)
+    # layers named: one solve, scaled as a whole (the library's own band is scaled first, test_grom)
     free = run_grom(model, tokenizer, forget, RETAIN, GromParams(layers=band, retain_budget=None, influence=False))
     fitted = run_grom(model, tokenizer, forget, RETAIN, GromParams(layers=band, influence=False))
-    fit = fitted.edit.metadata["retain_budget"]
-    assert free.edit.metadata["retain_budget"] is None
+    fit = fitted.manifest.scaling.budget
+    assert free.manifest.scaling.budget is None
     # on 2 of 8 authors the full gain costs the retain answers far more than the budget: scaled down to fit
-    assert fit["damage_unscaled"] > 0.05 >= fit["damage"] and 0 < fit["scale"] < 1
+    assert fit.damage_unscaled > 0.05 >= fit.damage and 0 < fit.scale < 1
     for name, delta in fitted.edit.deltas.items():
-        assert torch.allclose(delta.full(), fit["scale"] * free.edit.deltas[name].full(), atol=1e-12)
+        assert torch.allclose(delta.full(), fit.scale * free.edit.deltas[name].full(), atol=1e-12)
         # the solve records describe the scaled update: the audit explains the edit that was made
-        assert torch.allclose(fitted.records[name].targets, fit["scale"] * free.records[name].targets)
+        assert torch.allclose(fitted.records[name].targets, fit.scale * free.records[name].targets)
     sample = make_batches(tokenizer, RETAIN, 16)
     with fitted.edit.applied(model):
         after = float(answer_nll(model, sample).mean())
@@ -200,7 +200,7 @@ def test_a_subjects_bag_is_lowered_by_the_lm_head_and_the_layers_lower_each_posi
     default = run_grom(model, tokenizer, forget, RETAIN, GromParams(influence=False))
     assert default.layers and set(default.edit.modules) == {*(adapter.down_proj_names[i] for i in default.layers),
                                                             head}
-    assert set(default.records[head].target_rows.tolist()) <= bag and "placement" not in default.edit.metadata
+    assert set(default.records[head].target_rows.tolist()) <= bag and default.plan.placement == "joint"
     for each, name in [*((layered, n) for n in adapter.down_proj_names[1:3]),
                        *((default, adapter.down_proj_names[i]) for i in default.layers)]:
         rec = each.records[name]
@@ -233,11 +233,11 @@ def test_answers_read_after_other_questions_are_keys_of_their_own_example(traine
     forget = named(FORGET)
     head = ModelAdapter.for_model(model).lm_head_name
     params = GromParams(retain_budget=None)
-    alone = run_grom(model, tokenizer, forget, RETAIN, params.replace(contexts=0))
+    alone = run_grom(model, tokenizer, forget, RETAIN, params.replace(counterfactual={"contexts": 0}))
     paired = run_grom(model, tokenizer, forget, RETAIN, params)  # the default: one other question each
-    assert GromParams().contexts == 1
+    assert GromParams().counterfactual.contexts == 1
     # more forget positions, every one credited to an example the user gave: its audit covers the user's rows
-    assert paired.edit.metadata["forget_positions"] > alone.edit.metadata["forget_positions"]
+    assert paired.manifest.forget_positions > alone.manifest.forget_positions
     ids = paired.records[head].example_ids
     assert int(ids.max()) < len(forget)
     assert torch.equal(paired.influence[head].example_ids, alone.influence[head].example_ids)
@@ -245,4 +245,4 @@ def test_answers_read_after_other_questions_are_keys_of_their_own_example(traine
     assert set(paired.edit.deltas[head].row_index.tolist()) >= set(alone.edit.deltas[head].row_index.tolist())
     assert not torch.allclose(paired.edit.deltas[head].full(), alone.edit.deltas[head].full())
     with pytest.raises(ParamsError, match="contexts"):
-        GromParams(contexts=-1).validate()
+        GromParams.from_dict({"counterfactual": {"contexts": -1}})

@@ -151,8 +151,8 @@ def test_editors_share_groms_retain_statistics_and_refuse_bad_input(trained):
 def test_grom_keys_at_subjects(trained):
     from conftest import AUTHORS
 
-    from grom_core.closed_form import GromParams, run_grom
     from grom_core.data import make_batches
+    from grom_core.grom import GromParams, run_grom
 
     model, tokenizer = trained
     names = [a.name for a in AUTHORS]
@@ -173,7 +173,7 @@ def test_grom_keys_at_subjects(trained):
     # that are bare objects take the subjects
     auto = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="auto"))
     answer = run_grom(model, tokenizer, forget, RETAIN, params.replace(keys="answer"))
-    assert auto.edit.metadata["drops"] == "counterfactual"
+    assert auto.plan.drops == "counterfactual"
     assert torch.equal(auto.records["model.layers.1.mlp.down_proj"].positions,
                        answer.records["model.layers.1.mlp.down_proj"].positions)
     bare = [dataclasses.replace(ex, answer=ex.answer.rstrip(".").split()[-1]) for ex in forget]

@@ -55,9 +55,9 @@ def test_flow_leaves_catalog_rows_parquet_shards_and_a_registered_model(first_ru
     assert result["method"] == "grom" and result["cached_stats"] is False
     assert set(result["metrics"]["before"]) >= {"forget_probability", "retain_probability", "forget_rougeL_recall"}
     assert result["metrics"]["after"]["forget_probability"] < result["metrics"]["before"]["forget_probability"] / 5
-    assert set(result["timings_s"]) >= {"ingest", "unlearn", "layer_scores", "retain_statistics", "solve", "register",
+    assert set(result["timings_s"]) >= {"ingest", "unlearn", "plan", "retain_statistics", "solve", "scale", "register",
                                         "total"}
-    assert set(result["unlearning"]["stages_s"]) >= {"layer_scores", "retain_statistics", "solve"}
+    assert set(result["unlearning"]["stages_s"]) >= {"plan", "retain_statistics", "solve", "scale"}
     catalog = Catalog(home / "catalog.duckdb")
     assert catalog.query("SELECT count(*) AS n FROM datasets")[0]["n"] == 2
     examples = catalog.query("SELECT count(*) AS n, count(DISTINCT sha256) AS d FROM examples")[0]

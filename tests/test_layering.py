@@ -74,19 +74,23 @@ def test_grom_core_exports_are_imported_on_first_use():
         grom_core.GROMParams  # noqa: B018
 
 
-def test_shipped_tofu_files_are_package_data():
+def test_every_package_and_shipped_file_is_in_the_wheels_configuration():
+    """pyproject.toml names its packages one by one (data/ installs as grom_data): a new package folder or a shipped
+    file the list does not cover would be missing from a non-editable install."""
     import tomllib
 
-    from grom_core.benchmarks.minitofu import tofu_data_dir
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {"grom_data": "data"}
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("grom_core", "tasks", "flows")
+               for p in (ROOT / top).rglob("__init__.py")}
+    assert {p for p in config["packages"] if not p.startswith("grom_data")} == folders
+    tofu = ROOT / "data" / "tofu"
+    patterns = config["package-data"]["grom_data.tofu"]
+    shipped = {p.relative_to(tofu) for p in tofu.rglob("*") if p.is_file()}
+    assert shipped and {p for p in shipped if any(p.match(pattern) for pattern in patterns)} == shipped
 
-    folder = tofu_data_dir()
-    assert folder.is_relative_to(ROOT / "grom_core")  # inside the package, not beside the checkout
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["grom_core"]
-    shipped = {p.relative_to(ROOT / "grom_core") for p in folder.rglob("*") if p.is_file()}
-    covered = {p for p in shipped if any(p.match(pattern) for pattern in patterns)}
-    assert shipped and covered == shipped
 
-
+@pytest.mark.e2e
 def test_a_non_editable_install_finds_the_shipped_data(tmp_path):
     """Build the wheel from a copy of the sources, install it elsewhere, and read the TOFU files from there."""
     import shutil
@@ -97,7 +101,7 @@ def test_a_non_editable_install_finds_the_shipped_data(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for package in ("grom_core", "tasks", "flows"):
+    for package in ("grom_core", "tasks", "flows", "data"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     wheels, target = tmp_path / "wheels", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]

@@ -10,6 +10,7 @@ from grom_core import GromParams, run_grom
 from grom_core.data import make_batches
 from grom_core.edit import Edit, ModuleDelta
 from grom_core.errors import DataError
+from grom_core.grom import SpecificityDrops
 from grom_core.lora import export_lora, lora_factors
 
 peft = pytest.importorskip("peft", reason="PEFT is a dev dependency (pip install -e '.[dev]')")
@@ -21,7 +22,8 @@ def logits(model, batch):
 
 
 def test_a_grom_edit_served_by_peft_equals_the_applied_edit(tiny_llama, tokenizer, tmp_path):
-    run = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1, 2), beta=40.0, influence=False))
+    run = run_grom(tiny_llama, tokenizer, FORGET, RETAIN,
+                   GromParams(layers=(1, 2), specificity=SpecificityDrops(beta=40.0), influence=False))
     assert run.edit.deltas["lm_head"].row_index is not None  # the head's delta is row-sparse
     batch = make_batches(tokenizer, FORGET + RETAIN, 64)[0]
     with run.edit.applied(tiny_llama):
@@ -55,7 +57,8 @@ def test_grom_model_export_lora_from_the_command_line(tiny_llama, tokenizer, tmp
     import subprocess
     import sys
 
-    edit = run_grom(tiny_llama, tokenizer, FORGET, RETAIN, GromParams(layers=(1,), beta=40.0, influence=False)).edit
+    edit = run_grom(tiny_llama, tokenizer, FORGET, RETAIN,
+                    GromParams(layers=(1,), specificity=SpecificityDrops(beta=40.0), influence=False)).edit
     edit.save(tmp_path / "ws" / "edits" / edit.edit_id)
 
     def grom(*args):

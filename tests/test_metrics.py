@@ -12,7 +12,7 @@ from grom_core.metrics import muse, tofu, wmdp
 from grom_core.metrics.rouge import rouge_l_f1, rouge_l_recall, rouge_l_recall_added
 from grom_core.metrics.tofu_logs import read_tofu_log, tofu_score, write_reference
 
-LOGS = Path(__file__).resolve().parents[1] / "grom_core" / "resources" / "tofu" / "eval-logs"
+LOGS = Path(__file__).resolve().parents[1] / "data" / "tofu" / "eval-logs"
 
 
 def test_probability_and_normalised_probability():

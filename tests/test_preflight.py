@@ -102,8 +102,9 @@ def _bad_files(root: Path) -> dict[str, tuple[Path, str]]:
 
 
 PARAMS = {
-    "beta a string": ('{"beta": "high"}', "GromParams.beta must be float"),
-    "negative beta": ('{"beta": -5}', "need beta > 0"),
+    "gain a string": ('{"gain": "high"}', "GromParams.gain must be float"),
+    "negative gain": ('{"gain": -5}', "need gain > 0"),
+    "a drop kind's knob flat": ('{"beta": 40}', "GromParams has no parameter 'beta'"),
     "zero batch": ('{"batch_size": 0}', "batch_size >= 1"),
     "layers a string": ('{"layers": "a"}', "GromParams.layers must be a list of int"),
     "layer out of range": ('{"layers": [99]}', "layers [99] do not exist"),

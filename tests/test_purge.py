@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from grom_core.closed_form import SolveRecord
+from grom_core.influence import SolveRecord
 from tasks import requests as queue
 from tasks.catalog import Catalog
 from tasks.lake import load_records, save_records

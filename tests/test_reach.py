@@ -10,11 +10,11 @@ from conftest import AUTHORS, RETAIN
 from grom_core.adapter import ModelAdapter, weight_out_in
 from grom_core.benchmarks.authors import author_questions
 from grom_core.capture import collect
-from grom_core.closed_form import GromParams, run_grom
 from grom_core.data import Batch, make_batches
 from grom_core.edit import Edit, ModuleDelta
 from grom_core.errors import DataError
 from grom_core.fingerprint import weights_fingerprint
+from grom_core.grom import GromParams, run_grom
 from grom_core.reach import head_reach
 
 

@@ -60,7 +60,7 @@ def test_bad_files_are_refused_before_any_conversion(tmp_path):
     assert not (tmp_path / "converted").exists()
 
 
-def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2, capsys):
+def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2):
     torch.set_num_threads(2)
     model, tokenizer = load_for_edit(smollm2.model_dir)  # the tied head is untied for the edit
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -76,13 +76,6 @@ def test_the_converted_model_knows_capitals_and_grom_forgets_two_of_them(smollm2
         rest_after = capital_probability(model, tokenizer, rest)
     assert float(forget_after.max()) < 0.01 * float(forget_before.min())  # forgotten
     assert float((rest_after / rest_before).min()) > 0.9  # every other capital kept
-    with capsys.disabled():
-        print(f"\n[figures] SmolLM2 GROM (completion format, defaults): capitals of {FORGET} "
-              f"{forget_before.tolist()} -> {forget_after.tolist()}; {len(rest)} others mean "
-              f"{float(rest_before.mean()):.3f} -> {float(rest_after.mean()):.3f} (worst ratio "
-              f"{float((rest_after / rest_before).min()):.3f}); layers {run.layers} (band scale "
-              f"{run.edit.metadata.get('placement', {}).get('band_scale', 'not body first')}); stages "
-              f"{({k: round(v, 1) for k, v in run.timings_s.items()})}")
 
 
 def test_the_gguf_round_trip_attack_is_llama_cpps_arithmetic(smollm2):

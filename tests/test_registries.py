@@ -196,7 +196,7 @@ def test_a_toy_benchmark_is_built_evaluated_and_unlearned_through_the_demo(harne
 
 
 def test_a_benchmark_names_its_target_kind_and_only_grom_gets_it():
-    from grom_core.closed_form import GromParams
+    from grom_core.grom import GromParams
 
     wmdp, tofu = BENCHMARKS["miniwmdp"], BENCHMARKS["minitofu"]
     assert wmdp.params_for("grom", False) == {"target": "corrupt"}  # multiple choice: corrupt, nothing tuned

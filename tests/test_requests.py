@@ -214,9 +214,6 @@ def test_a_request_of_texts_is_gated_on_verbmem_and_its_recovery(harness, traine
     assert attacks and all("recovery_forget_verbatim_rougeL" in m for m in attacks.values())
     assert not any("forget probability" in r for r in done["reasons"])
     assert done["promoted"] is (not done["reasons"])
-    print(f"\n[figures] text request: VerbMem {before['forget_verbatim_rougeL']:.3f} -> "
-          f"{after['forget_verbatim_rougeL']:.3f}, forget probability {before['forget_probability']:.3f} -> "
-          f"{after['forget_probability']:.3f}, reasons {done['reasons']}")
 
 
 def test_a_request_with_a_row_the_method_would_cut_is_set_aside_and_the_others_answered(harness, trained_dir, data,
@@ -464,7 +461,7 @@ def test_bad_inputs_exit_with_one_line_and_change_nothing(harness, trained_dir, 
         (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc2",
           "--prompt-format", "alpaca", *h), "unknown prompt format"),
         (("model", "register", "--model", str(trained_dir), "--retain", data["retain"], "--name", "svc2",
-          "--params", '{"beta": "high"}', *h), "beta must be float"),
+          "--params", '{"gain": "high"}', *h), "gain must be float"),
     ]
     before = registry_state(home)
     for args, message in cases:

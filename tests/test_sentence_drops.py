@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import AUTHORS, FORGET, RETAIN
 
-from grom_core.closed_form import GromParams, resolve_keys_and_drops, run_grom
 from grom_core.data import Example, bos_prefix, encode, make_batches
 from grom_core.errors import DataError
+from grom_core.grom import GromParams, run_grom
+from grom_core.grom.plan import resolve_keys_and_drops
 from grom_core.params import ParamsError
 from grom_core.scoring import answer_nll
 from grom_core.sentence_drops import QuestionPool, sentence_drops, sentence_ender, sentence_spans
@@ -143,12 +144,12 @@ def test_closed_form_with_sentence_drops_forgets_texts_and_keeps_retain(trained)
     model, tokenizer = trained
     forget, retain = biographies(AUTHORS[:2]), [*biographies(AUTHORS[2:]), *RETAIN]
     run = run_grom(model, tokenizer, forget, retain, GromParams(influence=False))
-    assert run.edit.metadata["drops"] == "sentence"
+    assert run.plan.drops == "sentence"
     assert run.layers == list(range(model.config.num_hidden_layers))  # every layer, no attributed band
     nll = lambda exs: float(answer_nll(model, make_batches(tokenizer, exs, 16, 160)).mean())  # noqa: E731
     before_f, before_r = nll(forget), nll(retain)
     with run.edit.applied(model):
         after_f, after_r = nll(forget), nll(retain)
     assert after_f > before_f + 0.2 and after_r < before_r + 0.1
-    fit = run.edit.metadata["retain_budget"]
-    assert fit is not None and fit["damage"] <= 0.04  # the budget reads the retain sample for these drops too
+    fit = run.manifest.scaling.budget
+    assert fit is not None and fit.damage <= 0.04  # the budget reads the retain sample for these drops too

@@ -9,7 +9,7 @@ import torch
 from conftest import FORGET, RETAIN
 
 from grom_core.adapter import ModelAdapter
-from grom_core.closed_form import GromParams, run_grom
+from grom_core.grom import GromParams, run_grom
 from tasks import steps
 from tasks.lake import LakeStatsStore
 from tasks.records import EvaluationSpec

@@ -31,13 +31,13 @@ RETAIN_OF = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain
 
 
 def tofu_data_dir() -> Path:
-    """The shipped TOFU files (real authors, world facts, I-don't-know answers, logs): package data of grom_core
-    (`grom_core/resources/tofu`), so a non-editable install finds them too; GROM_TOFU_DATA overrides."""
+    """The shipped TOFU files (real authors, world facts, I-don't-know answers, logs): `data/tofu`, installed as the
+    package grom_data, so a non-editable install finds them too; GROM_TOFU_DATA overrides."""
     import os
     from importlib import resources
 
     env = os.environ.get("GROM_TOFU_DATA")
-    path = Path(env) if env else Path(str(resources.files("grom_core") / "resources" / "tofu"))
+    path = Path(env) if env else Path(str(resources.files("grom_data") / "tofu"))
     if not (path / "real_authors_perturbed.json").is_file():
         raise DataError(f"TOFU data files not found in {path}; set GROM_TOFU_DATA to the folder holding "
                         f"real_authors_perturbed.json and world_facts_perturbed.json")

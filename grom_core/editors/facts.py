@@ -25,7 +25,6 @@ from torch import nn
 
 from grom_core.adapter import ModelAdapter
 from grom_core.capture import KeyCapture, model_device
-from grom_core.closed_form import GromParams, prepare, retain_statistics
 from grom_core.data import (
     IGNORE_INDEX,
     Batch,
@@ -41,9 +40,11 @@ from grom_core.data import (
     subject_position,
 )
 from grom_core.errors import DataError
+from grom_core.grom.params import GromParams
+from grom_core.grom.plan import retain_rows
 from grom_core.modes import evaluating
 from grom_core.params import Params, ParamsError
-from grom_core.statistics import GramStats
+from grom_core.statistics import GramStats, retain_statistics
 
 log = logging.getLogger(__name__)
 
@@ -267,12 +268,10 @@ def key_covariances(model: nn.Module, tokenizer, forget, retain, modules: Sequen
                     adapter: ModelAdapter, context) -> tuple[dict[str, GramStats], list[str], str]:
     """The retain keys' statistics of `modules` through GROM's own cache (same model fingerprint, retain data,
     max_length and prompt format give the same entries), and the model's fingerprint. C = gram / count."""
-    grom = GromParams(layers=tuple(range(adapter.num_layers)), edit_lm_head=False, batch_size=params.batch_size,
-                      max_length=params.max_length, influence=False)
-    prep = prepare(model, tokenizer, forget, retain, grom, adapter, fmt=context.prompt_format)
-    stats, reused = retain_statistics(model, prep, modules, store=context.stats_store,
-                                      compute=context.compute_stats)
-    return stats, reused, prep.fingerprint
+    grom = GromParams(batch_size=params.batch_size, max_length=params.max_length)
+    rows = retain_rows(model, tokenizer, as_examples(retain), len(forget), grom, prompt_format(context.prompt_format))
+    stats, reused = retain_statistics(model, rows, modules, store=context.stats_store, compute=context.compute_stats)
+    return stats, reused, rows.fingerprint
 
 
 @dataclass

@@ -49,7 +49,7 @@ class GradientRun:
 
 
 def idk_answers(path: str | Path | None = None) -> list[str]:
-    """The "I don't know" answers of TOFU (grom_core/resources/tofu/idontknow.jsonl: one sentence per line)."""
+    """The "I don't know" answers of TOFU (data/tofu/idontknow.jsonl: one sentence per line)."""
     from grom_core.benchmarks.minitofu import tofu_data_dir
 
     path = Path(path) if path else tofu_data_dir() / "idontknow.jsonl"

@@ -1,7 +1,7 @@
 """Do the counterfactual drops' strangers stand in for a model that never read the forget authors? (docs/minitofu.md,
 "What the strangers are worth").
 
-    python scripts/stranger_truth_ratios.py --split forget10     # in the workspace that holds the built benchmark
+    python docs/experiments/stranger_truth_ratios.py --split forget10     # in the workspace that holds the built benchmark
 
 minitofu's Forget Quality compares the edited model's forget-set truth ratios with the retain model's. This scores
 the *unedited* target on the forget set's evaluation rows (question, paraphrased and perturbed answers) with the
@@ -22,9 +22,9 @@ import numpy as np
 from flows.evaluation import build_benchmark, reference_path
 from flows.workspace import Workspace
 from grom_core.benchmarks.minitofu import score_set
-from grom_core.closed_form import GromParams
 from grom_core.counterfactual import strangers
 from grom_core.data import as_examples
+from grom_core.grom import GromParams
 from grom_core.metrics.tofu import forget_quality
 from grom_core.metrics.tofu_logs import read_tofu_log
 from tasks.steps import load_for_edit

@@ -1,7 +1,7 @@
 """Where minitofu's LM-head edit reaches: its bag's logits on the utility sets' answers, and what the greedy answers
 become (docs/minitofu.md, "Other builds, and where forget01's utility goes").
 
-    python scripts/head_reach.py --split forget01          # in the workspace that holds the built benchmark
+    python docs/experiments/head_reach.py --split forget01          # in the workspace that holds the built benchmark
 
 Runs the closed form with the benchmark's parameters (as `grom bench` does), then, for the forget rows and each
 Model Utility set, `grom_core.reach.head_reach` on their answers (table), and the real authors' greedy answers
@@ -18,9 +18,9 @@ from flows.evaluation import build_benchmark
 from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
 from grom_core.data import QUESTION_TEMPLATE, as_examples, make_batches, prompt_format
 from grom_core.generation import greedy_generate
+from grom_core.grom import GromParams, run_grom
 from grom_core.reach import head_reach
 from tasks.steps import load_for_edit
 

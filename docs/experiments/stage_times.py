@@ -1,7 +1,7 @@
 """Where the closed form's time goes on minirwku: `run_grom` with the library defaults, its retain statistics
 computed, then again with them cached, one line of stage seconds each (and the placement it kept).
 
-    python scripts/stage_times.py --split forget05      # in the workspace that holds the built benchmark
+    python docs/experiments/stage_times.py --split forget05      # in the workspace that holds the built benchmark
 
 The seconds are this machine's; `grom bench` gives them against a floor and the gradient methods in one process.
 """
@@ -17,7 +17,7 @@ from flows.evaluation import build_benchmark
 from flows.workspace import Workspace
 from grom_core.benchmarks import minirwku
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
+from grom_core.grom import GromParams, run_grom
 from grom_core.statistics import MemoryStatsStore
 from tasks.steps import load_for_edit
 
@@ -39,7 +39,7 @@ def main() -> None:
                        prompt_format=bench.prompt_format)
         line = {"stats": stats, "seconds": round(time.perf_counter() - start, 2),
                 "stages": {k: round(v, 2) for k, v in run.timings_s.items()},
-                "placement": run.edit.metadata.get("placement"), "retain_budget": run.edit.metadata["retain_budget"]}
+                "plan": run.plan.as_dict(), "scaling": run.edit.metadata["scaling"]}
         print(json.dumps(line), flush=True)
 
 

@@ -1,10 +1,10 @@
 """Which band of layers a forget target costs least: minirwku's bands of two, each scaled to the same forget level,
 against the damage on retain rows the solve never saw (docs/minirwku.md, "Held-out retain damage per band").
 
-    python scripts/band_damage.py --split forget05          # in the workspace that holds the built benchmark
+    python docs/experiments/band_damage.py --split forget05          # in the workspace that holds the built benchmark
 
 Every fifth retain row (country facts and prose alike) is held out; the closed form runs on the rest with the
-library defaults, `layers` set to one band of two and `forget_target` (optionally read after `--attack`), and the
+library defaults, `layers` set to one band of two and `forget_target`, and the
 edited model is read on the held-out rows (the mean KL divergence of the next-token distribution from the unedited
 one at their answer positions, and the gold tokens' NLL change, signed and absolute) and on the benchmark's forget
 and neighbour probes (greedy exact match). One row a band: does a damage the data can measure before any
@@ -26,8 +26,8 @@ from flows.workspace import Workspace
 from grom_core.adapter import ModelAdapter
 from grom_core.benchmarks import minirwku
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
 from grom_core.data import IGNORE_INDEX, Batch, as_examples, make_batches
+from grom_core.grom import GromParams, run_grom
 from grom_core.statistics import MemoryStatsStore
 from tasks.steps import load_for_edit
 
@@ -66,7 +66,6 @@ def main() -> None:
     parser.add_argument("--split", default="forget05", choices=tuple(minirwku.TARGETS))
     parser.add_argument("--home", default=None, help="the grom workspace (default: GROM_HOME or ./.grom)")
     parser.add_argument("--forget-target", type=float, default=0.05, help="GromParams.forget_target")
-    parser.add_argument("--attack", default=None, help="GromParams.forget_target_attack (e.g. gguf_q4_1)")
     parser.add_argument("--holdout", type=int, default=5, help="every N-th retain row is held out")
     parser.add_argument("--bands", default=None,
                         help="first layers of the bands to run, comma-separated (default: every band of two)")
@@ -98,8 +97,7 @@ def main() -> None:
     firsts = [int(v) for v in args.bands.split(",")] if args.bands else range(0, layers - 1, 2)
     for first in firsts:
         start = time.perf_counter()
-        params = GromParams(layers=(first, first + 1), forget_target=args.forget_target,
-                            forget_target_attack=args.attack, influence=False)
+        params = GromParams(layers=(first, first + 1), forget_target=args.forget_target, influence=False)
         run = run_grom(model, tokenizer, forget, solved_on, params, stats_store=store,
                        prompt_format=bench.prompt_format)
         with run.edit.applied(model):
@@ -110,7 +108,7 @@ def main() -> None:
         forget_acc = " / ".join(f"{probe_accuracy(forget_probes, correct[:len(forget_probes)], k):.2f}"
                                 for k in minirwku.PROBE_TYPES)
         neighbour_acc = " / ".join(f"{probe_accuracy(splits['neighbor_probes'], kept, k):.3f}" for k in ("fb", "qa"))
-        scale = run.edit.metadata["forget_target"]["scale"]
+        scale = run.manifest.scaling.scale
         print(f"| {first}-{first + 1} | {scale:.3f} | {kl:.4f} | {change:+.4f} | {absolute:.4f} | {forget_acc} | "
               f"{neighbour_acc} |", flush=True)
         log.info("band %d-%d: %.0f s", first, first + 1, time.perf_counter() - start)

@@ -1,7 +1,7 @@
 """Why the closed form's PrivLeak stays near -100 on minimuse (docs/minimuse.md, "Where PrivLeak goes").
 
-    python scripts/muse_membership.py                              # in the workspace that holds the built benchmark
-    python scripts/muse_membership.py --recombined 48 --recombined 200
+    python docs/experiments/muse_membership.py                              # in the workspace that holds the built benchmark
+    python docs/experiments/muse_membership.py --recombined 48 --recombined 200
 
 PrivLeak ranks each forget text against each holdout text (never trained on) by Min-K% (the mean log-prob of a
 text's 40% least likely tokens). An edit can lower the forget texts' scores and still leave the ranking as it was if
@@ -26,7 +26,7 @@ import numpy as np
 from flows.evaluation import build_benchmark, reference_path
 from flows.workspace import Workspace
 from grom_core.benchmarks.registry import get_benchmark
-from grom_core.closed_form import GromParams, run_grom
+from grom_core.grom import GromParams, run_grom
 from tasks.steps import load_for_edit
 
 log = logging.getLogger("muse_membership")
@@ -50,7 +50,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     rows = json.loads(args.params)
     for row in rows:
-        GromParams(**row).validate()  # a bad row is refused before the build
+        GromParams.from_dict(row)  # a bad row is refused before the build
 
     built = build_benchmark("minimuse", None, str(Workspace.resolve(args.home).root))
     bench = get_benchmark("minimuse")
@@ -73,17 +73,17 @@ def main() -> None:
     show("unedited", model, tokenizer)
     show("retain model (never read the forget texts)", *load_for_edit(str(built.models["retain"])))
     for row in rows:
-        params = GromParams(**{**row, "influence": False})
+        params = GromParams.from_dict({**row, "influence": False})
         for extra in [0, *args.recombined]:
             more = recombined(retain_texts, extra, seed=params.seed)
             run = run_grom(model, tokenizer, forget, [*retain, *more], params)
             log.info("%s with %d recombined retain texts: layers %s", row or "defaults", extra, list(run.layers))
-            fit = run.edit.metadata["retain_budget"]
+            fit = run.manifest.scaling.budget
             undo = run.edit.apply(model)
             try:
                 show(f"grom {json.dumps(row) if row else 'defaults'}"
                      + (f", {extra} recombined retain texts" if extra else ""), model, tokenizer,
-                     scale=f"{fit['scale']:.3g}" if fit else "none")
+                     scale=f"{fit.scale:.3g}" if fit else "none")
             finally:
                 run.edit.revert(model, undo)
 
