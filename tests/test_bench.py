@@ -73,9 +73,9 @@ def test_ablation_rows_change_one_thing_each(small_workspace):
         "benchmark parameters")
     assert rows["benchmark parameters"]["same_weights_as"] is rows["drops by position"]["same_weights_as"] is None
     # the budget holds where it is set, and only ever scales an edit down: without it, at least as much is forgotten
-    fit = rows["benchmark parameters"]["retain_budget"]
+    fit = rows["benchmark parameters"]["scaling"]["budget"]
     assert fit["damage"] <= rows["benchmark parameters"]["params"]["retain_budget"] and 0 < fit["scale"] <= 1
-    assert rows["no retain budget"]["retain_budget"] is None
+    assert rows["no retain budget"]["scaling"]["budget"] is None
     assert (rows["no retain budget"]["metrics"]["forget_probability"]
             <= rows["benchmark parameters"]["metrics"]["forget_probability"])
     assert len({r.name for r in ABLATIONS}) == len(ABLATIONS)

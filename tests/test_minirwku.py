@@ -81,7 +81,7 @@ def test_built_on_smollm2_then_forgotten_by_the_closed_form(smollm2_home):
     for kind in minirwku.PROBE_TYPES:
         assert after[f"forget_{kind}_accuracy"] <= 0.1, kind  # forgotten in every form it was asked
     # the default edits the band before the head: removal, not a mask the base head reads through
-    assert run.plan.layers and len(run.edit.modules) > len(run.plan.layers)
+    assert run.layers and len(run.edit.modules) > len(run.layers)
     assert min(swapped[f"forget_{kind}_accuracy"] for kind in minirwku.PROBE_TYPES) < 1.0
     # the band's edit takes some neighbours along (on an AMD EPYC, 0.8 of the fill-in-the-blank ones and 0.625 of
     # the questions kept; the LM head alone kept them all and hid the facts from its own reading only)

@@ -1,6 +1,6 @@
 """Why the closed form's PrivLeak stays near -100 on minimuse (docs/minimuse.md, "Where PrivLeak goes").
 
-    python docs/experiments/muse_membership.py                              # in the workspace that holds the built benchmark
+    python docs/experiments/muse_membership.py  # in the built benchmark's workspace
     python docs/experiments/muse_membership.py --recombined 48 --recombined 200
 
 PrivLeak ranks each forget text against each holdout text (never trained on) by Min-K% (the mean log-prob of a

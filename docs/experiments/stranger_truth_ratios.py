@@ -1,7 +1,7 @@
 """Do the counterfactual drops' strangers stand in for a model that never read the forget authors? (docs/minitofu.md,
 "What the strangers are worth").
 
-    python docs/experiments/stranger_truth_ratios.py --split forget10     # in the workspace that holds the built benchmark
+    python docs/experiments/stranger_truth_ratios.py --split forget10  # in the built benchmark's workspace
 
 minitofu's Forget Quality compares the edited model's forget-set truth ratios with the retain model's. This scores
 the *unedited* target on the forget set's evaluation rows (question, paraphrased and perturbed answers) with the
