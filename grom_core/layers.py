@@ -83,7 +83,12 @@ def score_layers(model: nn.Module, adapter: ModelAdapter, forget_batches: Sequen
     return LayerScores(forget=forget, retain=retain)
 
 
-def choose_band(scores: torch.Tensor, width: int, late_fraction: float = 0.75) -> list[int]:
+LATE_FRACTION = 0.75
+"""The band is searched among the last three quarters of the layers: the first quarter's residual is too far from
+the output for the logit lens to read it (its attributions are noise)."""
+
+
+def choose_band(scores: torch.Tensor, width: int, late_fraction: float = LATE_FRACTION) -> list[int]:
     """The contiguous band of `width` layers with the highest mean score among the last `late_fraction` of layers.
 
     Ties go to the later band (later layers are closer to the output, where the logit lens is most faithful).

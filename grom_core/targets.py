@@ -19,18 +19,27 @@ from dataclasses import dataclass
 
 import torch
 
+SPECIFICITY_POWER = 2.0
+"""a(j) is the forget share p(j) squared: a token used as often in retain as in forget answers (p = 1/2) weighs 1/4."""
+SPECIFICITY_FLOOR = 0.5
+"""Weights below a half are zeroed: a token is asked to drop only when p(j)^2 >= 1/2, i.e. when it is at least
+1 + sqrt(2) (about 2.4) times as frequent in the forget answers as in the retain answers."""
+RETAIN_PSEUDO_COUNT = 1.0
+"""Add-one (Laplace) smoothing of the retain counts: a token never seen in the retain answers is not certain to be
+specific."""
+
 
 def specificity_weights(forget_tokens: Iterable[int], retain_tokens: Iterable[int], vocab_size: int, *,
-                        sharpness: float = 1.0, threshold: float = 0.0, smoothing: float = 0.0) -> torch.Tensor:
-    """a(j) = f_forget(j) / (f_forget(j) + f_retain(j)) on relative token frequencies; (vocab,) float64 in [0, 1].
+                        power: float = SPECIFICITY_POWER, floor: float = SPECIFICITY_FLOOR,
+                        pseudo_count: float = RETAIN_PSEUDO_COUNT) -> torch.Tensor:
+    """a(j) = p(j)^power where p(j) >= 0 and p^power >= floor, else 0; (vocab,) float64 in [0, 1].
+
+    p(j) = f_forget(j) / (f_forget(j) + f_retain(j)) on relative token frequencies, the retain counts smoothed by
+    `pseudo_count` per vocabulary entry. Tokens never seen in the forget set get 0. The defaults are the module's
+    constants (their rules above); power 1, floor 0 and pseudo_count 0 give the raw share.
 
     Args:
         forget_tokens, retain_tokens: supervised token ids of each set.
-        sharpness: a <- a ** sharpness; > 1 concentrates the weight on tokens that are rarer on the retain side.
-        threshold: weights below it are set to 0 (shared vocabulary is left alone entirely).
-        smoothing: pseudo-count added to every retain token count, so a token seen once in the forget set and
-            never in retain is not treated as certainly specific.
-    Tokens never seen in the forget set get 0.
     """
     f_counts, r_counts = Counter(forget_tokens), Counter(retain_tokens)
     f = torch.zeros(vocab_size, dtype=torch.float64)
@@ -40,10 +49,10 @@ def specificity_weights(forget_tokens: Iterable[int], retain_tokens: Iterable[in
     for tok, n in r_counts.items():
         r[tok] = n
     f = f / max(1.0, f.sum().item())
-    r = (r + smoothing) / max(1.0, r.sum().item() + smoothing * vocab_size)
+    r = (r + pseudo_count) / max(1.0, r.sum().item() + pseudo_count * vocab_size)
     a = torch.where(f > 0, f / (f + r).clamp_min(1e-300), torch.zeros_like(f))
-    a = a.pow(sharpness)
-    return torch.where(a >= threshold, a, torch.zeros_like(a))
+    a = a.pow(power)
+    return torch.where(a >= floor, a, torch.zeros_like(a))
 
 
 WORD_START_MARKERS = ("\u0120", "\u2581", " ")  # byte-level BPE's space (G-dot), SentencePiece's, a literal space

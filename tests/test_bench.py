@@ -110,7 +110,7 @@ def test_ablation_rows_apply_to_the_drop_kind_the_data_gets():
     names = lambda rows, base=suppress: {r.name for r in applicable_rows(ABLATIONS, base, rows)}  # noqa: E731
     measured = {"gain x0.5", "gain x2", "specificity drops"}
     strangers = {"drops by position", "whole-name strangers", "answers after their own question only"}
-    specific = {"beta x0.5", "beta x2", "every answer token", "specific tokens only", "word starts only",
+    specific = {"beta x0.5", "beta x2", "word starts only",
                 "defaults with forget target 0.05", "LM head alone"}
     keys = {"keys at answers", "keys at subjects", "keys at subjects and answers"}
     # texts without subjects: sentence drops, which gain and budget scale, and the QA rows' swapped questions; no

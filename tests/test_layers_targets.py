@@ -20,13 +20,17 @@ from grom_core.targets import (
 
 
 def test_specificity_weights_by_hand():
-    a = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5)
+    a = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5, power=1.0, floor=0.0, pseudo_count=0.0)
     # f = (0, 2/3, 1/3, 0, 0), r = (0, 0, 1/4, 3/4, 0)
     assert a.tolist() == pytest.approx([0.0, 1.0, (1 / 3) / (1 / 3 + 1 / 4), 0.0, 0.0])
-    sharp = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5, sharpness=2.0, threshold=0.5)
+    sharp = specificity_weights([1, 1, 2], [2, 3, 3, 3], vocab_size=5, pseudo_count=0.0)
     assert sharp.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.0])  # (4/7)^2 = 0.33 < 0.5
-    smooth = specificity_weights([1], [], vocab_size=2, smoothing=1.0)
-    assert smooth[1] == pytest.approx(1 / (1 + 0.5))
+    smooth = specificity_weights([1], [], vocab_size=2, power=1.0, floor=0.0)
+    assert smooth[1] == pytest.approx(1 / (1 + 0.5))  # add-one: r = 1/2 for every token of a two-token vocabulary
+    # the floor's rule: kept from p = 1/sqrt(2), i.e. a forget frequency 1 + sqrt(2) times the retain frequency
+    kept = specificity_weights([1] * 25, [1] * 10 + [2] * 15, vocab_size=3, pseudo_count=0.0)  # f/r = 2.5
+    cut = specificity_weights([1] * 23, [1] * 10 + [2] * 13, vocab_size=3, pseudo_count=0.0)  # f/r = 2.3
+    assert kept[1] > 0.5 and cut[1] == 0
 
 
 def test_margin_beta_by_hand():

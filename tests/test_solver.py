@@ -39,6 +39,20 @@ def test_solve_edit_matches_stacked_least_squares(n, m, s, r, rank_r, mu):
     assert rel_err(p, brute_force(x_f, d, x_r, w_f, w_r, mu)) < 1e-8
 
 
+def test_only_the_ratio_of_the_weights_matters_when_the_ridge_scales_with_w_retain():
+    """GROM fixes w_forget = 1 and sets mu proportional to w_retain: (k w_f, k w_r, k mu) is the same objective times
+    k, so the same edit (grom_core.grom.solve.mu)."""
+    gen = torch.Generator().manual_seed(7)
+    x_f = torch.randn(9, 6, generator=gen, dtype=torch.float64)
+    x_r = torch.randn(9, 40, generator=gen, dtype=torch.float64)
+    d = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    base = solve_edit(x_f, d, x_r @ x_r.T, 40, w_forget=1.0, w_retain=10.0, ridge=1e-2)
+    scaled = solve_edit(x_f, d, x_r @ x_r.T, 40, w_forget=3.0, w_retain=30.0, ridge=3e-2)
+    other = solve_edit(x_f, d, x_r @ x_r.T, 40, w_forget=3.0, w_retain=10.0, ridge=1e-2)
+    assert rel_err(scaled, base) < 1e-10
+    assert rel_err(other, base) > 1e-3  # the ratio does matter
+
+
 def test_solve_edit_accepts_float32_inputs_and_returns_float64():
     gen = torch.Generator().manual_seed(0)
     x_f = torch.randn(5, 7, generator=gen)

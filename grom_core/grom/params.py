@@ -40,27 +40,18 @@ class SpecificityDrops(Params):
         subject_beta: beta at subject keys where `beta` is None (nats). There the drop is asked of the residual at
             the subject's last token, layers before the answer whose margin could be read, so it is not a multiple
             of that margin.
-        sharpness, threshold, smoothing: the shape of a(y): counts of y in forget and retain answers, each
-            smoothed by `smoothing` (add-k), give p = forget / (forget + retain); a = ((p - threshold) /
-            (1 - threshold))^sharpness above the threshold, 0 below.
         word_starts_only: a(y) = 0 for tokens that do not begin a word (targets.word_start_mask).
     """
 
     beta: float | None = None
     margins: float = 4.5
     subject_beta: float = 40.0
-    sharpness: float = 2.0
-    threshold: float = 0.5
-    smoothing: float = 1.0
     word_starts_only: bool = False
 
     def validate(self) -> None:
         if (self.beta is not None and self.beta <= 0) or self.margins <= 0 or self.subject_beta <= 0:
             raise ParamsError("need specificity.beta > 0 (or None), specificity.margins > 0 and "
                               "specificity.subject_beta > 0")
-        if not 0 <= self.threshold <= 1 or self.sharpness <= 0 or self.smoothing < 0:
-            raise ParamsError("need 0 <= specificity.threshold <= 1, specificity.sharpness > 0 and "
-                              "specificity.smoothing >= 0")
 
 
 @dataclass(frozen=True)
@@ -119,7 +110,6 @@ class GromParams(Params):
         layers: layers whose down-projection is edited; () edits the LM head alone (a mask). None: chosen by the plan
             (a band of `band_width` by logit-lens attribution; every layer for sentence drops).
         band_width: contiguous layers in the automatic band.
-        late_fraction: the band is searched among the last `late_fraction` of the layers.
         edit_lm_head: also edit the LM head (suppression only).
         target: "suppress" (lower the forget tokens' logits) or "corrupt" (move the layer outputs to a random
             direction; multiple-choice benchmarks).
@@ -139,7 +129,8 @@ class GromParams(Params):
         forget_target: a forget level instead of the full drop: the edit is scaled to the smallest alpha (within
             the budget) at which the forget answers' probability (TOFU's: exp of minus each row's mean token NLL,
             averaged) is at most this. None: the full edit.
-        w_forget, w_retain: weights of the mean squared forget error and the mean squared retain output change.
+        w_retain: weight of the mean squared retain output change against the mean squared forget error (whose
+            weight is 1: only the ratio matters).
         relative_ridge: mu as a fraction of the mean retain key energy: mu = relative_ridge * w_retain * tr(G_r) /
             (r n), so one value suits any width and key scale.
         strategy: "sequential" (modules solved lowest first, each from keys read with the edits below applied, for
@@ -153,7 +144,6 @@ class GromParams(Params):
 
     layers: tuple[int, ...] | None = None
     band_width: int = 2
-    late_fraction: float = 0.75
     edit_lm_head: bool = True
     target: str = "suppress"
     keys: str = "auto"
@@ -164,7 +154,6 @@ class GromParams(Params):
     retain_budget: float | None = 0.04
     budget_examples: int = 32
     forget_target: float | None = None
-    w_forget: float = 1.0
     w_retain: float = 10.0
     relative_ridge: float = 1e-3
     strategy: str = "sequential"
@@ -191,10 +180,10 @@ class GromParams(Params):
         if self.forget_target is not None and not 0 < self.forget_target < 1:
             raise ParamsError(f"forget_target is a probability: need 0 < forget_target < 1 (or None), got "
                               f"{self.forget_target}")
-        if self.w_forget <= 0 or self.w_retain < 0 or self.relative_ridge <= 0:
-            raise ParamsError("need w_forget > 0, w_retain >= 0 and relative_ridge > 0")
-        if self.band_width < 1 or not 0 < self.late_fraction <= 1:
-            raise ParamsError("need band_width >= 1 and 0 < late_fraction <= 1")
+        if self.w_retain < 0 or self.relative_ridge <= 0:
+            raise ParamsError("need w_retain >= 0 and relative_ridge > 0")
+        if self.band_width < 1:
+            raise ParamsError(f"need band_width >= 1, got {self.band_width}")
         if self.batch_size < 1 or self.max_length < 2:
             raise ParamsError("need batch_size >= 1 and max_length >= 2 (tokens)")
         if self.layers is not None and self.layers and min(self.layers) < 0:

@@ -160,8 +160,7 @@ def make_plan(model: nn.Module, tokenizer, forget, retain, params: GromParams | 
     rows = retain_rows(model, tokenizer, retain_ex, len(forget_ex), params, fmt, fingerprint)
     vocab = weight_out_in(adapter.lm_head).shape[0]
     spec = params.specificity
-    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(rows.retain_batches), vocab,
-                                  sharpness=spec.sharpness, threshold=spec.threshold, smoothing=spec.smoothing)
+    weights = specificity_weights(iter_answer_tokens(forget_batches), iter_answer_tokens(rows.retain_batches), vocab)
     if spec.word_starts_only:
         weights = weights * word_start_mask(tokenizer, vocab)
     inputs = Inputs(adapter=adapter, forget=forget_ex, retain=retain_ex, forget_batches=forget_batches,
@@ -237,7 +236,7 @@ def choose_layers(model: nn.Module, inputs: Inputs, params: GromParams, drops: s
     if drops == "sentence":
         return list(range(adapter.num_layers)), ()
     scores = score_layers(model, adapter, inputs.forget_batches, inputs.weights).score
-    layers = choose_band(scores, min(params.band_width, adapter.num_layers), params.late_fraction)
+    layers = choose_band(scores, min(params.band_width, adapter.num_layers))
     log.debug("layer scores %s -> editing layers %s", ", ".join(f"{v:.3f}" for v in scores.tolist()), layers)
     return layers, tuple(float(v) for v in scores.tolist())
 

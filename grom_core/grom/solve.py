@@ -107,7 +107,10 @@ def solve_modules(model: nn.Module, inputs: Inputs, plan: Plan, modules: list[st
 
 
 def mu(stats: GramStats, params: GromParams) -> float:
-    """The ridge: relative_ridge * w_retain times the mean retain key energy tr(G_r) / (r n)."""
+    """The ridge: relative_ridge * w_retain times the mean retain key energy tr(G_r) / (r n).
+
+    The forget weight is 1: with mu proportional to w_retain, scaling both weights scales the whole objective, so
+    only their ratio is a knob (tests/test_solver.py states it)."""
     energy = float(stats.gram.diagonal().sum()) / max(1, stats.count) / stats.dim
     return params.relative_ridge * max(params.w_retain, 1e-12) * max(energy, 1e-12)
 
@@ -202,12 +205,12 @@ class _Solver:
         keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
         st = self.stats[name]
         ridge = mu(st, params)
-        left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=params.w_forget,
+        left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=1.0,
                                             w_retain=params.w_retain, ridge=ridge)
         out_features = weight_out_in(get_module(self.model, name)).shape[0]
         delta = ModuleDelta.from_factors(name, left, right, row_index=rows, out_features=out_features)
         record = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
-                             ridge=ridge, retain_count=st.count, w_forget=params.w_forget, w_retain=params.w_retain,
+                             ridge=ridge, retain_count=st.count, w_forget=1.0, w_retain=params.w_retain,
                              positions=got.positions.cpu(), tokens=got.next_tokens.cpu(), target_rows=rows)
         log.debug("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), ridge,
                   f", jitter {system.jitter:.3g}" if system.jitter else "")
