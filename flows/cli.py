@@ -27,7 +27,7 @@ from flows.console import (
     setup_logging,
 )
 from flows.formatting import fmt
-from flows.runtime import configure_process, set_threads, stop_on_sigterm
+from flows.runtime import configure_process, quiet_libraries, set_threads, stop_on_sigterm
 from grom_core.errors import DataError, GromError
 from grom_core.methods import DEFAULT_METHOD, METHODS
 
@@ -44,6 +44,7 @@ def _root(threads: Annotated[int | None, typer.Option(
     """Retraining-free unlearning: a closed-form edit with exact per-example influence."""
     set_threads(threads)
     Verbosity.detail = verbose
+    quiet_libraries(verbose)
 
 
 WorkersOpt = Annotated[int, typer.Option(min=0, help="Shard retain statistics over a local Dask cluster.")]

@@ -48,10 +48,12 @@ def setup_logging(stages: bool) -> None:
         root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False, markup=False)])
-    logging.getLogger("grom").setLevel(logging.INFO if stages else logging.WARNING)
+    logging.getLogger("grom").setLevel(logging.DEBUG if verbose else logging.INFO if stages else logging.WARNING)
     logging.getLogger("grom_core").setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("tasks").setLevel(logging.INFO if verbose else logging.WARNING)
-    for noisy in ("transformers", "httpx", *(() if verbose else ("prefect", "mlflow", "alembic"))):
+    # bitsandbytes and kernels warn, on every quantization, that the Hub's CPU kernels cannot be fetched offline
+    for noisy in ("transformers", "httpx", "bitsandbytes", "kernels",
+                  *(() if verbose else ("prefect", "mlflow", "alembic"))):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 

@@ -107,8 +107,10 @@ def memorisation_check(built: BuiltBenchmark) -> dict:
     return results
 
 
-def headline(bench, metrics: dict) -> str:
-    return ", ".join(f"{k} {metrics[k]:.4g}" for k in bench.metrics.table if isinstance(metrics.get(k), float))
+def headline(bench, metrics: dict, count: int = 4) -> str:
+    """The first `count` of the benchmark's table metrics (its most important first), for a one-line summary."""
+    shown = [k for k in bench.metrics.table if isinstance(metrics.get(k), float)][:count]
+    return ", ".join(f"{k} {metrics[k]:.4g}" for k in shown)
 
 
 def evaluate_model(model_dir: str, benchmark: str, *, split: str | None = None, reference: str | None = None,

@@ -29,6 +29,17 @@ PROCESS_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # transformers' "Loading weights" / "Writing model shards" bars: a model of a few hundred tensors loads in a
+    # blink, and a bar per load buries the stage lines
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+QUIET_DEFAULTS = {
+    # Prefect's own run-state lines ("Finished in state Completed()", commit hooks, the temporary server's notice)
+    # and MLflow's (database migrations, "Successfully registered model"): each library configures its loggers
+    # itself when imported, from these variables
+    "PREFECT_LOGGING_LEVEL": "ERROR",
+    "MLFLOW_LOGGING_LEVEL": "ERROR",
 }
 
 
@@ -36,6 +47,14 @@ def configure_process() -> None:
     """Process-wide defaults (see PROCESS_DEFAULTS); the user's own environment wins."""
     for key, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Without `grom -v`, Prefect and MLflow log errors only (QUIET_DEFAULTS; set before either is imported, which
+    `grom`'s commands do lazily). The user's own environment wins."""
+    if not verbose:
+        for key, value in QUIET_DEFAULTS.items():
+            os.environ.setdefault(key, value)
 
 
 def set_threads(threads: int | None) -> None:

@@ -330,7 +330,7 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
             metrics["codes_changed"] = sum(s["codes_changed"] for s in survival) / len(survival)
             metrics["norm_survival"] = sum(s["norm_survival"] for s in survival) / len(survival)
         out[name] = metrics
-        log.info("quantization %s (%d matrices): %s, %.1f s", name, n_matrices,
+        log.debug("quantization %s (%d matrices): %s, %.1f s", name, n_matrices,
                  ", ".join(f"{k} {metrics[k]:+.3f}" for k in metrics if k.startswith("recovery_")),
                  time.perf_counter() - start)
     return out
@@ -363,5 +363,6 @@ def read_around(loaded: LoadedModel, data: Ingested, spec: EvaluationSpec, after
     out = {}
     for name in READING_ATTACKS if names is None else names:
         out[name] = kit.run(name, model, tokenizer, after)
-        log.info("attack %s: recovery %s", name, out[name].get("recovery"))
+        recovery = out[name].get("recovery")
+        log.info("attack %s: recovery %s", name, f"{recovery:+.3f}" if isinstance(recovery, float) else recovery)
     return out

@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,24 @@ EXPERIMENT = "grom-unlearning"
 SERVING_ALIAS = "serving"
 COMMIT_TAG, PENDING, COMMITTED = "grom.commit", "pending", "committed"
 MODEL_TAG = "grom.model_name"  # on the run: which registered model it registers into (a run may die before)
+
+
+@contextmanager
+def quiet_registry_events() -> Iterator[None]:
+    """MLflow's registry events ("Successfully registered model ...", "Created version ...") are prints to its
+    logging stream, not log records: where its logger is above INFO (MLFLOW_LOGGING_LEVEL), they are switched off
+    for the block. Exceptions still propagate."""
+    from mlflow.utils import logging_utils
+
+    stream = logging_utils.MLFLOW_LOGGING_STREAM
+    quiet = logging.getLogger("mlflow").getEffectiveLevel() > logging.INFO and stream.enabled
+    if quiet:
+        stream.enabled = False
+    try:
+        yield
+    finally:
+        if quiet:
+            stream.enabled = True
 
 
 def configure(root: Path) -> str:
@@ -128,7 +148,8 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
     client = MlflowClient()
     version = None
     tags = {**tags, COMMIT_TAG: PENDING}
-    with mlflow.start_run(run_name=run_name, tags={COMMIT_TAG: PENDING, MODEL_TAG: model_name}) as run:
+    with (mlflow.start_run(run_name=run_name, tags={COMMIT_TAG: PENDING, MODEL_TAG: model_name}) as run,
+          quiet_registry_events()):
         try:
             mlflow.set_tags(tags)
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
@@ -136,7 +157,11 @@ def register(root: Path, *, run_name: str, model_name: str, params: dict, metric
                 if isinstance(values, dict):
                     mlflow.log_metrics(_flat(group, values))
             for ds in datasets:
-                source = resolve_dataset_source(str(ds["path"]))
+                with warnings.catch_warnings():
+                    # MLflow registers its local-file source class twice and warns that a path "can be
+                    # interpreted in multiple ways" (both ways are LocalArtifactDatasetSource)
+                    warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+                    source = resolve_dataset_source(str(ds["path"]))
                 mlflow.log_input(MetaDataset(source=source, name=ds["name"], digest=ds["digest"][:36]),
                                  context=ds["role"])
             for sub, path in artifacts.items():
