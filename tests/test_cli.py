@@ -44,6 +44,11 @@ def test_demo_json(small_workspace, harness):
     attack = quantized[ATTACK]
     assert "recovery_forget_rougeL_recall" in attack and 0 <= attack["codes_changed"] <= 1
     assert (tmp_path / "ws" / "catalog.duckdb").exists()
+    # quiet by default: a summary line per stage, none of the libraries' own lines (grom -v brings them back)
+    assert "stage unlearn" in done.stderr and "stage quantization" in done.stderr
+    for noise in ("Finished in state", "Beginning flow run", "Loading weights", "Writing model shards",
+                  "Successfully registered model", "mlflow.store.db.utils", "interpreted in multiple ways"):
+        assert noise not in done.stderr, noise
     # a gradient baseline through the same flow, reusing the trained models of the first run
     done = grom("demo", "--json", "--authors", "10", "--home", str(tmp_path / "ws"), "--method", "npo",
                 "--compose", "sago", "--params", '{"trainer": {"epochs": 2}}', "--no-quantization",

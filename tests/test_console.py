@@ -1,5 +1,7 @@
 """What the command line prints on stdout: tables that a file or a CI log keeps whole."""
 
+import os
+
 from rich.table import Table
 
 from flows.console import emit
@@ -25,3 +27,15 @@ def test_json_is_one_object_and_no_table(capsys):
     table.add_column("metric")
     emit({"forget_quality": 0.111}, True, table)
     assert capsys.readouterr().out == '{"forget_quality": 0.111}\n'
+
+
+def test_libraries_are_quiet_unless_verbose_and_the_users_environment_wins(monkeypatch):
+    from flows.runtime import QUIET_DEFAULTS, quiet_libraries
+
+    for key in QUIET_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    quiet_libraries(verbose=True)
+    assert not any(key in os.environ for key in QUIET_DEFAULTS)
+    monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", "DEBUG")
+    quiet_libraries(verbose=False)
+    assert os.environ["PREFECT_LOGGING_LEVEL"] == "ERROR" and os.environ["MLFLOW_LOGGING_LEVEL"] == "DEBUG"
