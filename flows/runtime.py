@@ -29,9 +29,11 @@ PROCESS_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # transformers' "Loading weights" / "Writing model shards" bars: a model of a few hundred tensors loads in a
-    # blink, and a bar per load buries the stage lines
+    # transformers' "Loading weights" / "Writing model shards" / GGUF conversion bars (tqdm, which reads
+    # TQDM_DISABLE): a model of a few hundred tensors loads in seconds, and a bar per load buries the stage lines;
+    # grom's own bars are rich's
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
 }
 
 QUIET_DEFAULTS = {
