@@ -17,7 +17,9 @@ the new rows are cast(W[rows] + P[rows]) in the weight's dtype, as `Edit.apply` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,9 @@ from grom_core.capture import collect
 from grom_core.data import Batch
 from grom_core.edit import Edit, ModuleDelta
 from grom_core.errors import DataError
+from grom_core.suffix import BlockCache
+
+log = logging.getLogger(__name__)
 
 CHUNK_POSITIONS = 256  # positions whose full-vocabulary logits are held at once (SmolLM2: 256 x 49,152 floats)
 
@@ -127,14 +132,25 @@ class NllProbe:
 
     `base` (N,) is the unedited model's, read from the head's inputs (one forward pass, at construction). An update
     of `head_name` alone is read from those inputs (see the module docstring); the layers' updates are applied, the
-    head's inputs read again, and reverted.
+    head's inputs read again, and reverted. With `from_block` (the blocks' ModuleList path and a layer k), that
+    pass also keeps the stream entering block k (grom_core.suffix), and the layers' updates at k and above are read
+    by passes from block k up, where those agree with the full pass on the unedited model.
     """
 
-    def __init__(self, model: nn.Module, batches: Sequence[Batch], head_name: str) -> None:
+    def __init__(self, model: nn.Module, batches: Sequence[Batch], head_name: str,
+                 from_block: tuple[str, int] | None = None) -> None:
         if not batches:
             raise DataError("an NLL probe needs a sample of at least one batch")
         self.model, self.batches, self.head_name = model, list(batches), head_name
-        self.inputs = HeadInputs.read(model, head_name, self.batches)
+        self.cache = BlockCache(model, *from_block) if from_block is not None and from_block[1] > 0 else None
+        with self.cache.capturing() if self.cache is not None else nullcontext():
+            self.inputs = HeadInputs.read(model, head_name, self.batches)
+        if self.cache is not None:
+            with self.cache.running():
+                again = HeadInputs.read(model, head_name, self.batches)
+            if not self.cache.verify(self.inputs.keys, again.keys):
+                log.debug("passes from block %d differ from the full pass: the probe runs full passes",
+                          self.cache.layer)
         self.base = self.inputs.nll(get_module(model, head_name))
 
     def nll(self, deltas: Mapping[str, ModuleDelta], alpha: float = 1.0) -> torch.Tensor:
@@ -146,7 +162,9 @@ class NllProbe:
             return self.inputs.nll(head, scaled.get(self.head_name))
         # the layers' updates change the head's inputs: read them again with those applied, still stopping
         # before the head, whose own update is read from them
-        with Edit(deltas=below, base_fingerprint="").applied(self.model, verify=False):
+        short = self.cache is not None and self.cache.exact and self.cache.covers(list(below))
+        with Edit(deltas=below, base_fingerprint="").applied(self.model, verify=False), \
+                self.cache.running() if short else nullcontext():
             inputs = HeadInputs.read(self.model, self.head_name, self.batches)
         return inputs.nll(head, scaled.get(self.head_name))
 

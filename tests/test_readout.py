@@ -83,3 +83,45 @@ def test_empty_sample_is_refused(trained):
     model, _ = trained
     with pytest.raises(DataError, match="at least one batch"):
         NllProbe(model, [], "lm_head")
+
+
+def layer_delta(adapter, layer, seed):
+    name = adapter.down_proj_names[layer]
+    out, inp = weight_out_in(adapter.module(name)).shape
+    gen = torch.Generator().manual_seed(seed)
+    return name, ModuleDelta.from_factors(name, torch.randn(out, 2, generator=gen, dtype=torch.float64) * 0.3,
+                                          torch.randn(2, inp, generator=gen, dtype=torch.float64))
+
+
+def test_passes_from_the_lowest_edited_block_read_what_full_passes_read(trained, tokenizer):
+    model, _ = trained
+    adapter = ModelAdapter.for_model(model)
+    blocks, top = adapter.block_names[0].rpartition(".")[0], adapter.num_layers - 1
+    batches = make_batches(tokenizer, RETAIN[:12], 4)
+    fingerprint = weights_fingerprint(model)
+    probe = NllProbe(model, batches, adapter.lm_head_name, from_block=(blocks, top))
+    assert probe.cache.exact and len(probe.cache.hidden) == len(batches)
+    assert torch.allclose(probe.base, answer_nll(model, batches), rtol=1e-5, atol=1e-6)
+    above = dict([layer_delta(adapter, top, 0)])
+    below = dict([layer_delta(adapter, 0, 1)])  # under the cached block: read by full passes
+    for deltas in (above, {**above, adapter.lm_head_name: head_delta(model, [1, 5, 9], 1.0)}, below):
+        assert probe.cache.covers([m for m in deltas if m != adapter.lm_head_name]) == (deltas is not below)
+        expected = applied_nll(model, batches, {name: d.scaled(0.5) for name, d in deltas.items()})
+        assert torch.allclose(probe.nll(deltas, 0.5), expected, rtol=1e-5, atol=1e-6)
+        assert probe.rise(deltas) != 0.0
+    assert weights_fingerprint(model) == fingerprint
+    assert len(adapter.block_names) == len(adapter.module(blocks))  # the block list is restored
+
+
+def test_a_forward_that_adds_to_the_embedding_keeps_full_passes(tokenizer):
+    """GPT-2 adds position embeddings after the token embedding: a run from a cached block would add them twice,
+    the check says so, and the probe reads the update by full passes."""
+    model = random_gpt2(tokenizer)
+    adapter = ModelAdapter.for_model(model)
+    adapter.untie_lm_head()
+    blocks = adapter.block_names[0].rpartition(".")[0]
+    batches = make_batches(tokenizer, RETAIN[:8], 4)
+    probe = NllProbe(model, batches, adapter.lm_head_name, from_block=(blocks, 1))
+    assert not probe.cache.exact
+    deltas = dict([layer_delta(adapter, 1, 2)])
+    assert torch.allclose(probe.nll(deltas), applied_nll(model, batches, deltas), rtol=1e-5, atol=1e-6)

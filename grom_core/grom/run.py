@@ -26,6 +26,7 @@ from grom_core.grom.scaling import Scaling, scale_edit
 from grom_core.grom.solve import BodyFirst, LogitDrop, Solved, scaled_record, solve
 from grom_core.influence import InfluenceReport, SolveRecord, audit
 from grom_core.profiling import Timings
+from grom_core.readout import NllProbe
 from grom_core.statistics import GramStats, StatsComputer, StatsStore, retain_statistics
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,10 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
         stats, reused = retain_statistics(model, inputs, plan.modules, retain_stats, store=stats_store,
                                           compute=compute_stats)
     with clock.stage("solve"):
-        solved = solve(model, inputs, plan, stats, params)
+        probe = retain_probe(model, inputs, plan)
+        solved = solve(model, inputs, plan, stats, params, probe)
     with clock.stage("scale"):
-        scaling = scale_edit(model, solved.deltas, inputs.adapter.lm_head_name, inputs.retain_sample,
+        scaling = scale_edit(model, solved.deltas, inputs.adapter.lm_head_name, probe,
                              params.retain_budget if plan.budget else None, inputs.forget_sample, params.forget_target)
     run = _edit(inputs, plan, params, solved, scaling, stats, reused)
     if params.influence:
@@ -103,6 +105,17 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
     log.info("GROM edit %s: %d modules, %d forget positions, scale %.3f, %s", run.edit.edit_id, len(plan.modules),
              run.manifest.forget_positions, scaling.scale, clock.summary())
     return run
+
+
+def retain_probe(model: nn.Module, inputs: Inputs, plan: Plan) -> NllProbe | None:
+    """The retain sample's NLL reader (one forward pass), shared by a body-first band's budget and the final scale;
+    it keeps the stream entering the lowest edited layer, so that reading an update of the band costs a pass
+    through the band and the layers above only. None without a retain budget."""
+    if not plan.budget or inputs.retain_sample is None:
+        return None
+    blocks = inputs.adapter.block_names[0].rpartition(".")[0]
+    return NllProbe(model, inputs.retain_sample, inputs.adapter.lm_head_name,
+                    from_block=(blocks, min(plan.layers)) if plan.layers else None)
 
 
 def _edit(inputs: Inputs, plan: Plan, params: GromParams, solved: Solved, scaling: Scaling,

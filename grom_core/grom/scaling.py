@@ -53,13 +53,13 @@ class Scaling:
     forget_target: ForgetFit | None = None
 
 
-def scale_edit(model: nn.Module, deltas: Mapping[str, ModuleDelta], head: str, retain_sample: Sequence[Batch] | None,
+def scale_edit(model: nn.Module, deltas: Mapping[str, ModuleDelta], head: str, retain_probe: NllProbe | None,
                retain_budget: float | None, forget_sample: Sequence[Batch] | None,
                forget_target: float | None) -> Scaling:
-    """The scale of `deltas`: fitted to the retain budget (where a sample and a budget are given), then to the
-    forget target (where given) below it."""
-    budget = fit_to_budget(NllProbe(model, retain_sample, head), deltas, retain_budget) \
-        if retain_sample is not None and retain_budget is not None else None
+    """The scale of `deltas`: fitted to the retain budget (where a probe of the retain sample and a budget are
+    given), then to the forget target (where given) below it."""
+    budget = fit_to_budget(retain_probe, deltas, retain_budget) \
+        if retain_probe is not None and retain_budget is not None else None
     upper = budget.scale if budget else 1.0
     enough = fit_to_forget_target(NllProbe(model, forget_sample, head), deltas, forget_target, upper) \
         if forget_sample is not None and forget_target is not None else None

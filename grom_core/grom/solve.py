@@ -77,14 +77,17 @@ class Solved:
     body_first: BodyFirst | None = None
 
 
-def solve(model: nn.Module, inputs: Inputs, plan: Plan, stats: dict[str, GramStats], params: GromParams) -> Solved:
-    """Every module of the plan solved; the model is left unchanged."""
+def solve(model: nn.Module, inputs: Inputs, plan: Plan, stats: dict[str, GramStats], params: GromParams,
+          retain_probe: NllProbe | None = None) -> Solved:
+    """Every module of the plan solved; the model is left unchanged. `retain_probe` reads the retain sample for
+    a body-first band's budget (built here where not given)."""
     if plan.placement != "body_first":
         return solve_modules(model, inputs, plan, list(plan.modules), stats, params)
     head = inputs.adapter.lm_head_name
     band_modules = [m for m in plan.modules if m != head]
     band = solve_modules(model, inputs, plan, band_modules, stats, params)
-    fit = fit_to_budget(NllProbe(model, inputs.retain_sample, head), band.deltas, float(params.retain_budget))
+    probe = retain_probe or NllProbe(model, inputs.retain_sample, head)
+    fit = fit_to_budget(probe, band.deltas, float(params.retain_budget))
     deltas = {name: d.scaled(fit.scale) for name, d in band.deltas.items()}
     records = {name: scaled_record(rec, fit.scale) for name, rec in band.records.items()}
     with Edit(deltas=deltas, base_fingerprint="").applied(model, verify=False):
