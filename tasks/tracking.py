@@ -41,19 +41,25 @@ MODEL_TAG = "grom.model_name"  # on the run: which registered model it registers
 @contextmanager
 def quiet_registry_events() -> Iterator[None]:
     """MLflow's registry events ("Successfully registered model ...", "Created version ...") are prints to its
-    logging stream, not log records: where its logger is above INFO (MLFLOW_LOGGING_LEVEL), they are switched off
-    for the block. Exceptions still propagate."""
+    logging stream, not log records: where its logger is above INFO (MLFLOW_LOGGING_LEVEL), what that stream is
+    given during the block goes to this module's DEBUG log instead. (Its own on/off switch is not enough:
+    `log_model` switches it back on.) Exceptions still propagate."""
     from mlflow.utils import logging_utils
 
     stream = logging_utils.MLFLOW_LOGGING_STREAM
-    quiet = logging.getLogger("mlflow").getEffectiveLevel() > logging.INFO and stream.enabled
-    if quiet:
-        stream.enabled = False
+    if logging.getLogger("mlflow").getEffectiveLevel() <= logging.INFO:
+        yield
+        return
+
+    def to_debug(text: str) -> None:
+        if text.strip():
+            log.debug("mlflow: %s", text.strip())
+
+    stream.write = to_debug  # the instance attribute shadows the class's write for the block
     try:
         yield
     finally:
-        if quiet:
-            stream.enabled = True
+        del stream.write
 
 
 def configure(root: Path) -> str:
