@@ -118,6 +118,9 @@ def unlearn(
                                                      "relearn): head_swap, logit_lens, relearn, relearn_retain; '' "
                                                      "for none.")] = None,
     home: Annotated[str | None, typer.Option(help="Workspace folder (default ./.grom or GROM_HOME).")] = None,
+    max_examples: Annotated[int, typer.Option(min=1, help="How many forget and how many retain rows the evaluation "
+                                                          "before and after the edit (and under each attack) "
+                                                          "reads, at most.")] = 200,
     workers: WorkersOpt = 0,
     dask_address: DaskOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -133,7 +136,8 @@ def unlearn(
         checks = EvaluationSettings.from_dict(chosen)
     setup_logging(True)
     result = run_unlearn(model, forget, retain, home=home, params=values, model_name=model_name, workers=workers,
-                         dask_address=dask_address, method=method, checks=checks, prompt_format=prompt_format)
+                         dask_address=dask_address, method=method, checks=checks, prompt_format=prompt_format,
+                         max_examples=max_examples)
     emit(result, as_json, before_after_table(result), quantization_table(result))
 
 
@@ -270,9 +274,9 @@ def tofu_score(
 def bench(
     benchmark: Annotated[str, typer.Option(help="Shipped benchmark.")] = "minitofu",
     split: Annotated[str | None, typer.Option(help="Forget split.")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated method[:compose] list; methods: " +
-                                              ", ".join(METHODS) + ".")] = ("grom,ga:sum,npo:sum,npo:sago,"
-                                                                            "simnpo:sum,simnpo:sago"),
+    methods: Annotated[str | None, typer.Option(help="Comma-separated method[:compose] list; methods: " +
+                                                     ", ".join(METHODS) + " (default grom,ga:sum,npo:sum,npo:sago,"
+                                                     "simnpo:sum,simnpo:sago; with --scale, grom,npo).")] = None,
     attacks: Annotated[str | None, typer.Option(help="Comma-separated attacks: quantization round trips (fp4, nf4, "
                                                      "int8, rtn4, gguf_q4_1, fp4_head_kept) and attacks that read "
                                                      "around the edit (head_swap, logit_lens, relearn, "
@@ -288,14 +292,26 @@ def bench(
     params: Annotated[str | None, typer.Option(help="With --ablation: rows of your own, a JSON object of GromParams "
                                                     "fields (or a list of them), each changing the library "
                                                     "defaults; alone they replace the full list.")] = None,
+    scale: Annotated[bool, typer.Option(help="Instead of a benchmark: each stage's seconds and peak memory of "
+                                             "`grom unlearn`, `grom model materialize` and the revert on random "
+                                             "models of Llama-3.2-1B's shape and around it (--shapes), and the "
+                                             "cost's growth with width (docs/scale.md).")] = False,
+    shapes: Annotated[str | None, typer.Option(help="With --scale: comma-separated shapes (default w512,w1024,"
+                                                    "llama-3.2-1b,w2560).")] = None,
     config: ConfigOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every method side by side on one target model: time, memory, quality, and quality after quantization."""
-    from flows.bench import DEFAULT_ATTACKS, run_bench
+    from flows.bench import DEFAULT_ATTACKS, DEFAULT_METHODS, run_bench
 
     setup_logging(True)
+    if scale:
+        _scale_table(home, shapes, methods, attacks if attacks is not None else quantizers, as_json)
+        return
+    if shapes:
+        raise DataError("--shapes chooses the scale benchmark's models: add --scale")
+    methods = methods or ",".join(DEFAULT_METHODS)
     variant = json_option(config, "--config")
     own = json_objects(params, "--params")
     if attacks is not None and quantizers is not None:
@@ -334,6 +350,16 @@ def bench(
     table.caption = (f"floor (one forward pass over forget and retain data) {result['floor_seconds']:.2f} s; key "
                      f"extraction {t['key_extraction_over_forward']:.2f}x a plain forward pass; plot: {result['plot']}")
     emit(result, as_json, table)
+
+
+def _scale_table(home: str | None, shapes: str | None, methods: str | None, attacks: str | None,
+                 as_json: bool) -> None:
+    from flows import scale
+
+    result = scale.run_scale(home, _names(shapes) if shapes else scale.DEFAULT_SHAPES,
+                             _names(methods) if methods else scale.DEFAULT_METHODS,
+                             _names(attacks) if attacks is not None else scale.DEFAULT_ATTACKS)
+    emit(result, as_json, *scale.tables(result))
 
 
 def _names(listed: str) -> tuple[str, ...]:

@@ -43,9 +43,9 @@ def run_demo(home: str | None = None, split: str | None = None, params: dict | N
 def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, params: dict | None = None,
                 model_name: str | None = None, workers: int = 0, dask_address: str | None = None,
                 method: str = DEFAULT_METHOD, checks: EvaluationSettings | None = None,
-                prompt_format: str = "qa") -> dict:
+                prompt_format: str = "qa", max_examples: int = 200) -> dict:
     """`grom unlearn`: checks every input, then runs the unlearn flow; `checks`: the robustness checks to run after
-    the edit (None: none)."""
+    the edit (None: none); `max_examples`: the evaluation's size (forget and retain rows each)."""
     from tasks.tracking import check_model_name
     from tasks.versions import resolve_model
 
@@ -63,4 +63,4 @@ def run_unlearn(model: str, forget: str, retain: str, home: str | None = None, p
                        params=params, model_name=model_name, workers=workers, dask_address=dask_address,
                        quantization=checks is not None, prompt_format=prompt_format,
                        quantizers=list(checks.quantizers) if checks else None,
-                       attacks=list(checks.attacks) if checks else None)
+                       attacks=list(checks.attacks) if checks else None, max_examples=max_examples)

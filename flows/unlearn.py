@@ -43,7 +43,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
             params: dict | None = None, evaluation: EvaluationSpec | None = None, model_name: str | None = None,
             workers: int = 0, dask_address: str | None = None, tags: dict | None = None,
             quantization: bool = True, prompt_format: str = "qa", quantizers: list[str] | None = None,
-            attacks: list[str] | None = None) -> dict:
+            attacks: list[str] | None = None, max_examples: int = 200) -> dict:
     """Unlearn `forget` from the model in `model` while keeping `retain`; register the edited model.
 
     Args:
@@ -64,6 +64,7 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
             and `steps.READING_ATTACKS`).
         prompt_format: how the data's QA pairs become text, for the keys, the targets and the own-data metrics:
             qa, completion (a pretrained base model's) or chat (grom_core.data.PROMPT_FORMATS).
+        max_examples: without `evaluation`, how many forget and how many retain rows the own-data evaluation reads.
     """
     ws = Workspace.resolve(home)
     name = check_model_name(model_name or (f"grom-{evaluation.benchmark}-{evaluation.split}"
@@ -74,14 +75,14 @@ def unlearn(model: str, forget: str, retain: str, home: str | None = None, metho
     outcome = compute(timings, ws, model=model, forget=forget, retain=retain, method=method, params=params or {},
                       evaluation=evaluation, workers=workers, dask_address=dask_address,
                       quantizers=quantizers if quantization else [], prompt_format=prompt_format,
-                      attacks=attacks if quantization else [])
+                      attacks=attacks if quantization else [], max_examples=max_examples)
     with transaction():
         registration = timings.run("register", register_outcome, ws, outcome, name=name,
                                    tags={"grom.kind": "unlearn", "grom.owner": claim_owner(), **(tags or {})},
                                    timings=timings.seconds)
         stage_timings = run_timings(timings, outcome)
         commit(ws, outcome.catalog_rows(registration, flow="unlearn", started=started, timings=stage_timings))
-    result = outcome.summary(registration, stage_timings, ws.root)
+    result = outcome.summary(registration, stage_timings, ws.root, run_peaks(timings, outcome))
     publish(result)
     return result
 
@@ -127,6 +128,11 @@ def run_timings(timings: Timings, outcome: Outcome) -> dict:
     """Stage seconds of a run as reported: the flow's stages, the method's own ones, the unlearning, the total."""
     return {**timings.seconds, **outcome.unlearned.timings_s, "unlearning": outcome.unlearned.cost.seconds,
             "total": timings.total()}
+
+
+def run_peaks(timings: Timings, outcome: Outcome) -> dict:
+    """Peak resident memory (MB) of each stage of a run: the flow's and the method's own."""
+    return {**timings.peak_mb, **outcome.unlearned.peaks_mb}
 
 
 @task(name="register", cache_policy=NO_CACHE)

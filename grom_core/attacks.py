@@ -33,6 +33,7 @@ from grom_core.capture import model_device
 from grom_core.data import Example, make_batches, prompt_format
 from grom_core.generation import greedy_generate
 from grom_core.scoring import answer_nll
+from grom_core.stash import stashed
 
 log = logging.getLogger(__name__)
 
@@ -142,39 +143,39 @@ def relearned(model: nn.Module, tokenizer, rows: Sequence[Example], recipe: Rele
     every weight is restored bit for bit after. Yields the loss of each step. Every parameter is trained (the
     attacker owns the weights), in float32 AdamW."""
     params = [p for p in model.parameters()]
-    saved = [p.detach().clone() for p in params]
     flags = [p.requires_grad for p in params]
     was_training = model.training
     device = model_device(model)
     rng = random.Random(recipe.seed)
     torch.manual_seed(recipe.seed)
     losses: list[float] = []
-    try:
-        for p in params:
-            p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-        model.train()
-        pool = list(rows)
-        for _ in range(recipe.steps):
-            picked = rng.sample(pool, min(recipe.batch_size, len(pool)))
-            batch = make_batches(tokenizer, picked, len(picked), recipe.max_length, fmt=fmt)[0].to(device)
-            loss = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
-                         use_cache=False).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-        model.train(was_training)
-        for p in params:
-            p.requires_grad_(False)
-        yield losses
-    finally:
-        with torch.no_grad():
-            for p, old, flag in zip(params, saved, flags, strict=True):
-                p.copy_(old)
+    with stashed({str(i): p for i, p in enumerate(params)}) as stash:  # the weights on disk, not twice in memory
+        try:
+            for p in params:
+                p.requires_grad_(True)
+            optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+            model.train()
+            pool = list(rows)
+            for _ in range(recipe.steps):
+                picked = rng.sample(pool, min(recipe.batch_size, len(pool)))
+                batch = make_batches(tokenizer, picked, len(picked), recipe.max_length, fmt=fmt)[0].to(device)
+                loss = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels,
+                             use_cache=False).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+            del optimizer
+            model.train(was_training)
+            for p in params:
+                p.requires_grad_(False)
+            yield losses
+        finally:
+            stash.restore()
+            for p, flag in zip(params, flags, strict=True):
                 p.requires_grad_(flag)
                 p.grad = None
-        model.train(was_training)
+            model.train(was_training)
 
 
 def heldout_metrics(model: nn.Module, tokenizer, rows: Sequence[Example], fmt: str = "qa", batch_size: int = 16

@@ -64,6 +64,7 @@ class MethodRun:
         retain_stats: module -> the retain statistics the solve used.
         reused_stats: modules whose retain statistics came from a cache.
         timings_s: the method's own stages, in seconds.
+        peaks_mb: the peak resident memory of each of those stages, in MB.
     """
 
     edit: Edit
@@ -75,6 +76,7 @@ class MethodRun:
     retain_stats: Mapping[str, GramStats] = field(default_factory=dict)
     reused_stats: tuple[str, ...] = ()
     timings_s: Mapping[str, float] = field(default_factory=dict)
+    peaks_mb: Mapping[str, float] = field(default_factory=dict)
 
 
 EntryPoint = Callable[..., MethodRun]  # (model, tokenizer, forget, retain, params, MethodContext) -> MethodRun
@@ -130,7 +132,7 @@ def closed_form(model, tokenizer, forget, retain, params: GromParams, context: M
               for i, s in enumerate(run.plan.layer_scores)]
     return MethodRun(edit=run.edit, forward_passes=None, layers=run.plan.layers, layer_scores=tuple(scores),
                      records=run.records, retain_stats=run.retain_stats, reused_stats=tuple(run.reused_stats),
-                     timings_s=run.timings_s)
+                     timings_s=run.timings_s, peaks_mb=run.peaks_mb)
 
 
 def gradient_method(name: str, params: type[MethodParams] | str, objective: Objective | str, summary: str

@@ -36,8 +36,11 @@ class Measurement:
 
 
 @contextmanager
-def measure(interval: float = 0.02) -> Iterator[Measurement]:
-    """`with measure() as m: ...` then m.seconds and m.peak_rss_mb (and m.peak_cuda_mb on CUDA)."""
+def measure(interval: float = 0.02, *, cuda: bool | None = None) -> Iterator[Measurement]:
+    """`with measure() as m: ...` then m.seconds and m.peak_rss_mb (and m.peak_cuda_mb on CUDA).
+
+    `cuda` (default: where CUDA is available) resets and reads the device's peak-allocation counter, which is one
+    per process: a measurement nested in another passes False, or the outer one's device peak is lost."""
     result = Measurement(peak_rss_mb=rss_mb())
     stop = threading.Event()
 
@@ -46,7 +49,7 @@ def measure(interval: float = 0.02) -> Iterator[Measurement]:
             result.peak_rss_mb = max(result.peak_rss_mb, rss_mb())
 
     thread = threading.Thread(target=sample, daemon=True)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -63,26 +66,31 @@ def measure(interval: float = 0.02) -> Iterator[Measurement]:
 
 
 class Timings:
-    """Wall time per named stage (seconds), the one stage timer of grom: `with timings.stage("solve"): ...`.
+    """Wall time (seconds) and peak resident memory (MB) per named stage, the one stage timer of grom:
+    `with timings.stage("solve"): ...`.
 
-    A stage entered twice adds up; each finished stage is logged at INFO on `logger` when one is given, which is
-    the per-stage progress a user watches in a long run."""
+    A stage entered twice adds up its seconds and keeps the larger peak; each finished stage is logged at INFO on
+    `logger` when one is given, which is the per-stage progress a user watches in a long run. The peak is the
+    process's resident memory while the stage ran (`measure`), so stages nested in it are inside it."""
 
     def __init__(self, logger=None, after_stage: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.peak_mb: dict[str, float] = {}
         self.started = time.perf_counter()
         self._log = logger
         self._after_stage = after_stage  # called with the name of each stage that finished without an error
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        used = Measurement()
         try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            with measure(interval=0.05, cuda=False) as used:
+                yield
+        finally:  # a failed stage is timed and logged too
+            self.seconds[name] = self.seconds.get(name, 0.0) + used.seconds
+            self.peak_mb[name] = max(self.peak_mb.get(name, 0.0), used.peak_rss_mb)
             if self._log is not None:
-                self._log.info("stage %-18s %7.2f s", name, self.seconds[name])
+                self._log.info("stage %-18s %7.2f s  peak %6.0f MB", name, self.seconds[name], self.peak_mb[name])
         if self._after_stage is not None:
             self._after_stage(name)
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from grom_core.adapter import is_conv1d, output_head_name, weight_out_in
+from grom_core.stash import stashed
 
 log = logging.getLogger(__name__)
 
@@ -141,30 +142,41 @@ def _linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Mod
 @contextmanager
 @torch.no_grad()
 def quantized(model: nn.Module, spec: QuantSpec) -> Iterator[int]:
-    """Replace every targeted linear weight by its round trip for the `with` block; restore the exact bits after.
-    Yields the number of quantized matrices."""
+    """Replace every targeted linear weight by its round trip for the `with` block; restore the exact bits after
+    (from a stash on disk: the model is never held twice in memory). Yields the number of quantized matrices."""
     modules = _linear_modules(model, spec.include_lm_head)
     head = output_head_name(model)
-    saved = {name: m.weight.detach().clone() for name, m in modules.items()}
-    try:
-        for name, module in modules.items():
-            w = weight_out_in(module)
-            w.copy_(spec.quantizer(name == head)(w.detach())[0])
-        yield len(modules)
-    finally:
-        for name, module in modules.items():
-            module.weight.copy_(saved[name])
+    with stashed({name: m.weight for name, m in modules.items()}) as stash:
+        try:
+            for name, module in modules.items():
+                w = weight_out_in(module)
+                w.copy_(spec.quantizer(name == head)(w.detach())[0])
+            yield len(modules)
+        finally:
+            stash.restore()
 
 
-def edit_survival(weight: torch.Tensor, delta: torch.Tensor, spec: QuantSpec, head: bool = False
-                  ) -> dict[str, float]:
-    """How much of an edit P survives the round trip of W [out, in] (any dtype; `head`: W is the LM head): the
-    fraction of codes it changes, and ||deq(Q(W+P)) - deq(Q(W))|| / ||P|| (1: survives whole, 0: rounded away)."""
-    w = weight.double()
+SURVIVAL_ROWS = 4096  # rows per chunk of `edit_survival`: a multiple of 64, so bitsandbytes' blocks of 64 values
+# never straddle two chunks
+
+
+def edit_survival(weight: torch.Tensor, delta, spec: QuantSpec, head: bool = False) -> dict[str, float]:
+    """How much of an edit P (a `ModuleDelta`) survives the round trip of W [out, in] (any dtype; `head`: W is the
+    LM head): the fraction of codes it changes, and ||deq(Q(W+P)) - deq(Q(W))|| / ||P|| (1: survives whole, 0:
+    rounded away). Read in chunks of rows, each quantized alone (every quantizer's blocks lie inside a chunk),
+    and only where P touches a row: no full float64 copy of W, and an LM head edit of a few hundred rows reads
+    those rows' chunks alone."""
     quantize = spec.quantizer(head)
-    before, codes_before = quantize(w.float())
-    after, codes_after = quantize((w + delta.double()).float())
-    changed = float((codes_before != codes_after).float().mean())
-    norm = float(delta.double().norm())
-    kept = float((after.double() - before.double()).norm()) / norm if norm > 0 else 0.0
-    return {"codes_changed": changed, "norm_survival": kept}
+    changed, moved, norm = 0, 0.0, 0.0
+    for start in range(0, weight.shape[0], SURVIVAL_ROWS):
+        stop = min(start + SURVIVAL_ROWS, weight.shape[0])
+        if not delta.touches(start, stop):
+            continue  # P is zero here: the same codes before and after
+        w, p = weight[start:stop].double(), delta.rows(start, stop)
+        before, codes_before = quantize(w.float())
+        after, codes_after = quantize((w + p).float())
+        changed += int((codes_before != codes_after).sum())
+        moved += float((after.double() - before.double()).square().sum())
+        norm += float(p.square().sum())
+    kept = (moved ** 0.5) / (norm ** 0.5) if norm > 0 else 0.0
+    return {"codes_changed": changed / max(1, weight.numel()), "norm_survival": kept}

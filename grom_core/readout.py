@@ -145,10 +145,10 @@ class NllProbe:
         self.cache = BlockCache(model, *from_block) if from_block is not None and from_block[1] > 0 else None
         with self.cache.capturing() if self.cache is not None else nullcontext():
             self.inputs = HeadInputs.read(model, head_name, self.batches)
-        if self.cache is not None:
+        if self.cache is not None:  # the check compares the head's inputs alone: no logits needed
             with self.cache.running():
-                again = HeadInputs.read(model, head_name, self.batches)
-            if not self.cache.verify(self.inputs.keys, again.keys):
+                again = collect(model, self.batches, inputs=[head_name], early_stop=True, desc="head inputs")
+            if not self.cache.verify(self.inputs.keys, again.inputs[head_name].cpu()):
                 log.debug("passes from block %d differ from the full pass: the probe runs full passes",
                           self.cache.layer)
         self.base = self.inputs.nll(get_module(model, head_name))

@@ -69,15 +69,21 @@ def check_inputs(forget_keys: torch.Tensor, targets: torch.Tensor | None, retain
 
 def factor_system(forget_keys: torch.Tensor, retain_gram: torch.Tensor, retain_count: int, *,
                   w_forget: float = 1.0, w_retain: float = 1.0, ridge: float = 1e-2) -> FactoredSystem:
-    """Build A (float64) and factor it; on failure add growing jitter to the diagonal and say so in the log."""
+    """Build A (float64) and factor it; on failure add growing jitter to the diagonal and say so in the log.
+
+    A is built in one (n, n) buffer (the scaled retain Gram, plus c X_f X_f^T, plus mu on the diagonal) and
+    Cholesky reads its lower triangle only (LAPACK's potrf): the factor is that of the symmetric matrix with A's lower
+    triangle, so the rounding-level asymmetry of the Gram sums never matters and no transpose is formed."""
     check_inputs(forget_keys, None, retain_gram, retain_count, w_forget, w_retain, ridge)
     x_f = forget_keys.double()
     n, s = x_f.shape
     c = w_forget / s
-    a = c * (x_f @ x_f.T) + ridge * torch.eye(n, dtype=torch.float64, device=x_f.device)
     if w_retain:
-        a += (w_retain / retain_count) * retain_gram.to(device=x_f.device, dtype=torch.float64)
-    a = 0.5 * (a + a.T)  # exact symmetry; the Gram sums are symmetric only up to rounding
+        a = retain_gram.to(device=x_f.device, dtype=torch.float64).mul(w_retain / retain_count)
+    else:
+        a = torch.zeros(n, n, dtype=torch.float64, device=x_f.device)
+    a.addmm_(x_f, x_f.T, alpha=c)
+    a.diagonal().add_(ridge)
     chol, info = torch.linalg.cholesky_ex(a)
     jitter = 0.0
     scale = float(a.diagonal().abs().mean())
@@ -87,9 +93,10 @@ def factor_system(forget_keys: torch.Tensor, retain_gram: torch.Tensor, retain_c
         if tries > MAX_JITTER_TRIES:
             raise NonFiniteError(f"the system matrix is not positive definite even with jitter {jitter:.3g}; "
                                  f"raise ridge (now {ridge})")
-        jitter = scale * 10.0 ** (-12 + 2 * tries)
+        added, jitter = jitter, scale * 10.0 ** (-12 + 2 * tries)
         log.warning("Cholesky failed (info=%d); retrying with jitter %.3g on the diagonal", int(info), jitter)
-        chol, info = torch.linalg.cholesky_ex(a + jitter * torch.eye(n, dtype=torch.float64, device=a.device))
+        a.diagonal().add_(jitter - added)  # the same buffer: mu + jitter on the diagonal
+        chol, info = torch.linalg.cholesky_ex(a)
     return FactoredSystem(chol=chol, c=c, jitter=jitter)
 
 

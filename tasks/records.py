@@ -113,13 +113,14 @@ class Unlearned:
     stats: StatsUsage | None = None
     key_shards: tuple[dict, ...] = ()
     timings_s: Mapping[str, float] = field(default_factory=dict)  # the method's own stages
+    peaks_mb: Mapping[str, float] = field(default_factory=dict)  # their peak resident memory
 
     def as_json(self) -> dict:
         return {"seconds": self.cost.seconds, "peak_rss_mb": self.cost.peak_rss_mb,
                 "peak_cuda_mb": self.cost.peak_cuda_mb, "steps": self.cost.steps,
                 "forward_passes": self.cost.forward_passes,
                 "cached_stats": self.stats.cache_hit if self.stats else None,
-                "stages_s": dict(self.timings_s)}
+                "stages_s": dict(self.timings_s), "stages_peak_mb": dict(self.peaks_mb)}
 
 
 @dataclass(frozen=True)
@@ -243,14 +244,14 @@ class Outcome:
                     "started_at": started},
         }
 
-    def summary(self, registration, timings: Mapping, workspace: Path) -> dict:
-        """The flow's result (what `--json` prints)."""
+    def summary(self, registration, timings: Mapping, workspace: Path, peaks: Mapping | None = None) -> dict:
+        """The flow's result (what `--json` prints); `peaks`: each stage's peak resident memory (MB)."""
         u = self.unlearned
         return {
             "method": u.method, "compose": u.params.get("compose"), "edit_id": u.edit_id, "layers": list(u.layers),
             "modules": list(u.modules), "cached_stats": u.stats.cache_hit if u.stats else None,
             "metrics": self.metrics(), "unlearning": u.as_json(), "timings_s": dict(timings),
-            "peak_rss_mb": u.cost.peak_rss_mb,
+            "peak_rss_mb": u.cost.peak_rss_mb, "stage_peak_mb": dict(peaks or {}),
             "mlflow": {"run_id": registration.run_id, "model_name": registration.model_name,
                        "version": registration.version},
             "model_dir": self.edited.model_dir, "edited_fingerprint": self.edited.fingerprint, "edit_dir": u.edit_dir,

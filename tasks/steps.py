@@ -193,7 +193,8 @@ def unlearn(loaded: LoadedModel, data: Ingested, method: str, params: dict, lake
                      cost=Cost(seconds=cost.seconds, peak_rss_mb=cost.peak_rss_mb, peak_cuda_mb=cost.peak_cuda_mb,
                                steps=run.steps, forward_passes=run.forward_passes),
                      layers=tuple(run.layers), layer_scores=tuple(run.layer_scores), records_path=records_path,
-                     stats=stats, key_shards=shards, timings_s=dict(run.timings_s))
+                     stats=stats, key_shards=shards, timings_s=dict(run.timings_s),
+                     peaks_mb=dict(run.peaks_mb))
 
 
 @task(name="apply-and-save", cache_policy=NO_CACHE)
@@ -324,7 +325,7 @@ def quantization_check(loaded: LoadedModel, unlearned: Unlearned, spec: Evaluati
             if isinstance(metrics.get(key), float) and isinstance(after.get(key), float):
                 metrics[f"recovery_{key}"] = metrics[key] - after[key]
         metrics["recovery"] = headline_recovery(metrics, recovery_keys(spec))
-        survival = [edit_survival(loaded.base_weights[m], d.full(), specs[name], head=m == head)
+        survival = [edit_survival(loaded.base_weights[m], d, specs[name], head=m == head)
                     for m, d in edit.deltas.items() if specs[name].include_lm_head or m != head]
         if survival:
             metrics["codes_changed"] = sum(s["codes_changed"] for s in survival) / len(survival)

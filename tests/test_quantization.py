@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import needs_bitsandbytes
 
+from grom_core.edit import ModuleDelta
 from grom_core.quantization import (
     QuantSpec,
     edit_survival,
@@ -84,7 +85,37 @@ def test_edit_survival_small_edits_round_away_large_ones_survive():
     spec = quantizers()["rtn4"]
     tiny = 1e-5 * torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
     large = torch.randn(32, 128, generator=torch.Generator().manual_seed(3))
-    small_result, large_result = edit_survival(w, tiny, spec), edit_survival(w, large, spec)
+    small_result, large_result = (edit_survival(w, ModuleDelta(name="w", shape=(32, 128), dense=p.double()), spec)
+                                  for p in (tiny, large))
     # no code moves; what is left is the drift of the group scales, a fraction of the edit's own norm
     assert small_result["codes_changed"] == 0.0 and small_result["norm_survival"] < 0.5
     assert large_result["codes_changed"] > 0.5 and 0.7 < large_result["norm_survival"] < 1.3
+
+
+def _survival_whole(weight, delta, quantize):
+    """The diagnostics on the whole matrix at once, as the definition reads."""
+    w, p = weight.double(), delta.double()
+    before, codes_before = quantize(w.float())
+    after, codes_after = quantize((w + p).float())
+    return {"codes_changed": float((codes_before != codes_after).float().mean()),
+            "norm_survival": float((after.double() - before.double()).norm() / p.norm())}
+
+
+@pytest.mark.parametrize("name", ["rtn4", "gguf_q4_1", pytest.param("nf4", marks=needs_bitsandbytes)])
+def test_edit_survival_in_row_chunks_equals_the_whole_matrix(monkeypatch, name):
+    """Read chunk by chunk (64 rows here; an input width of 100 puts bitsandbytes' flat blocks of 64 across rows)
+    and only where a row-sparse delta touches, the diagnostics equal those of the whole matrix."""
+    import grom_core.quantization as quantization
+
+    monkeypatch.setattr(quantization, "SURVIVAL_ROWS", 64)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 100, generator=gen).to(torch.bfloat16)
+    rows = torch.tensor([3, 70, 71, 299])
+    left, right = torch.randn(4, 2, generator=gen), torch.randn(2, 100, generator=gen)
+    delta = ModuleDelta.from_factors("lm_head", left, right, row_index=rows, out_features=300)
+    spec = quantizers()[name]
+    got = edit_survival(w, delta, spec, head=True)
+    want = _survival_whole(w, delta.full(), spec.quantizer(True))
+    assert got["codes_changed"] == pytest.approx(want["codes_changed"], abs=1e-7)
+    assert got["norm_survival"] == pytest.approx(want["norm_survival"], rel=1e-9)
+    assert 0 < got["codes_changed"] < 0.02  # four rows of 300

@@ -62,6 +62,7 @@ class GromRun:
     influence: dict[str, InfluenceReport] = field(default_factory=dict)
     reused_stats: list[str] = field(default_factory=list)  # modules whose retain statistics came from a cache
     timings_s: dict[str, float] = field(default_factory=dict)
+    peaks_mb: dict[str, float] = field(default_factory=dict)  # each stage's peak resident memory
 
     @property
     def plan(self) -> Plan:
@@ -91,8 +92,9 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
     with clock.stage("retain_statistics"):
         stats, reused = retain_statistics(model, inputs, plan.modules, retain_stats, store=stats_store,
                                           compute=compute_stats)
-    with clock.stage("solve"):
+    with clock.stage("retain_probe"):
         probe = retain_probe(model, inputs, plan)
+    with clock.stage("solve"):
         solved = solve(model, inputs, plan, stats, params, probe)
     with clock.stage("scale"):
         scaling = scale_edit(model, solved.deltas, inputs.adapter.lm_head_name, probe,
@@ -101,7 +103,7 @@ def run_grom(model: nn.Module, tokenizer, forget: Sequence[Example | dict | tupl
     if params.influence:
         with clock.stage("influence"):
             run.influence = audit(run.records, stats)
-    run.timings_s = clock.seconds
+    run.timings_s, run.peaks_mb = clock.seconds, clock.peak_mb
     log.info("GROM edit %s: %d modules, %d forget positions, scale %.3f, %s", run.edit.edit_id, len(plan.modules),
              run.manifest.forget_positions, scaling.scale, clock.summary())
     return run

@@ -1,0 +1,74 @@
+"""Weights set aside on disk for the length of a `with` block, so an attack that overwrites every matrix of a model
+(a quantization round trip, a relearning fine-tune) can give the exact bits back without a second copy of the model
+in memory.
+
+`stashed(tensors)` writes the raw bytes of each tensor, one after the other, to a temporary file; `restore()` reads
+them back one tensor at a time (a memory map of the file) into the same tensors. The peak memory the stash adds is
+one tensor, not the model; the price is one sequential write and read of the weights.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class _Entry:
+    offset: int
+    nbytes: int
+
+
+class Stash:
+    """The bytes of some tensors in one file; `restore()` copies them back into those tensors, in place."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+        self.path, self._tensors, self._entries = path, dict(tensors), {}
+        offset = 0
+        with open(path, "wb") as handle:
+            for name, tensor in self._tensors.items():
+                raw = _bytes_of(tensor)
+                raw.tofile(handle)
+                self._entries[name] = _Entry(offset, raw.nbytes)
+                offset += raw.nbytes
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Every tensor back to the bits it had when stashed."""
+        if not self._entries:
+            return
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            for name, tensor in self._tensors.items():
+                entry = self._entries[name]
+                raw = torch.from_numpy(np.array(mapped[entry.offset:entry.offset + entry.nbytes]))
+                tensor.copy_(raw.view(tensor.dtype).view(tensor.shape).to(tensor.device))
+        finally:
+            del mapped
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 array (a view where the tensor is contiguous on the CPU)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
+@contextmanager
+def stashed(tensors: Mapping[str, torch.Tensor], directory: str | Path | None = None) -> Iterator[Stash]:
+    """`with stashed({name: tensor}) as stash: ...; stash.restore()`: the tensors' current bytes in a temporary file
+    under `directory` (default: the system's temporary folder), deleted when the block ends. Tensors that share
+    storage are stashed once."""
+    unique, seen = {}, set()
+    for name, tensor in tensors.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
+    with tempfile.TemporaryDirectory(prefix="grom-stash-", dir=directory) as folder:
+        yield Stash(unique, Path(folder) / "weights.bin")
