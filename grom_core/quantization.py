@@ -133,6 +133,10 @@ def quantizers(available: bool | None = None) -> dict[str, QuantSpec]:
     return specs
 
 
+CHUNK_ROWS = 4096  # rows quantized at once: a multiple of 64, so bitsandbytes' flat blocks of 64 values never
+# straddle two chunks and a chunked round trip equals the whole matrix's (every other quantizer's blocks are in a row)
+
+
 def _linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Module]:
     head = output_head_name(model)
     return {name: m for name, m in model.named_modules()
@@ -149,15 +153,15 @@ def quantized(model: nn.Module, spec: QuantSpec) -> Iterator[int]:
     with stashed({name: m.weight for name, m in modules.items()}) as stash:
         try:
             for name, module in modules.items():
-                w = weight_out_in(module)
-                w.copy_(spec.quantizer(name == head)(w.detach())[0])
+                w, quantize = weight_out_in(module), spec.quantizer(name == head)
+                for start in range(0, w.shape[0], CHUNK_ROWS):  # the same codes as whole, a chunk's float32 at a time
+                    part = w[start:start + CHUNK_ROWS]
+                    part.copy_(quantize(part.detach())[0])
             yield len(modules)
         finally:
             stash.restore()
 
 
-SURVIVAL_ROWS = 4096  # rows per chunk of `edit_survival`: a multiple of 64, so bitsandbytes' blocks of 64 values
-# never straddle two chunks
 
 
 def edit_survival(weight: torch.Tensor, delta, spec: QuantSpec, head: bool = False) -> dict[str, float]:
@@ -168,8 +172,8 @@ def edit_survival(weight: torch.Tensor, delta, spec: QuantSpec, head: bool = Fal
     those rows' chunks alone."""
     quantize = spec.quantizer(head)
     changed, moved, norm = 0, 0.0, 0.0
-    for start in range(0, weight.shape[0], SURVIVAL_ROWS):
-        stop = min(start + SURVIVAL_ROWS, weight.shape[0])
+    for start in range(0, weight.shape[0], CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, weight.shape[0])
         if not delta.touches(start, stop):
             continue  # P is zero here: the same codes before and after
         w, p = weight[start:stop].double(), delta.rows(start, stop)

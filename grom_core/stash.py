@@ -62,8 +62,8 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
 @contextmanager
 def stashed(tensors: Mapping[str, torch.Tensor], directory: str | Path | None = None) -> Iterator[Stash]:
     """`with stashed({name: tensor}) as stash: ...; stash.restore()`: the tensors' current bytes in a temporary file
-    under `directory` (default: the system's temporary folder), deleted when the block ends. Tensors that share
-    storage are stashed once."""
+    under `directory` (default: the system's temporary folder), deleted when the block ends. The same tensor under two
+    names (a tied head and embedding) is stashed once."""
     unique, seen = {}, set()
     for name, tensor in tensors.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))

@@ -222,6 +222,30 @@ def test_two_dask_workers_equal_one_process(trained_dir):
         torch.testing.assert_close(sharded[name].gram, gram, rtol=1e-5, atol=1e-5 * float(gram.abs().max()))
 
 
+def test_two_dask_workers_equal_one_process_at_a_1b_gram(tokenizer, tmp_path):
+    """Llama-3.2-1B's down-projection Gram (8192 x 8192, float64: 512 MB a shard), sharded over two worker
+    processes and merged, equals the one-process sums."""
+    from conftest import random_llama
+
+    from grom_core.data import make_batches
+    from grom_core.fingerprint import weights_fingerprint
+    from grom_core.statistics import accumulate
+    from tasks.distributed import sharded_statistics
+
+    random_llama(tokenizer, hidden_size=64, intermediate_size=8192, num_hidden_layers=1).save_pretrained(
+        tmp_path / "model", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "model")
+    model, tokenizer = load_model(tmp_path / "model", device="cpu")
+    fp, modules = weights_fingerprint(model), ["model.layers.0.mlp.down_proj"]
+    single = accumulate(model, make_batches(tokenizer, RETAIN, 16), modules, fingerprint=fp, data_digest="d")
+    sharded = sharded_statistics(str(tmp_path / "model"), [ex.record() for ex in RETAIN], modules, fingerprint=fp,
+                                 data_digest="d", out_dir=tmp_path / "shards", workers=2)
+    got, want = sharded[modules[0]], single[modules[0]]
+    assert got.gram.shape == (8192, 8192) and got.count == want.count > 0
+    torch.testing.assert_close(got.gram, want.gram, rtol=1e-5, atol=1e-5 * float(want.gram.abs().max()))
+    torch.testing.assert_close(got.key_sum, want.key_sum, rtol=1e-5, atol=1e-5 * float(want.key_sum.abs().max()))
+
+
 def assert_nothing_changed(home):
     path = home / "catalog.duckdb"
     if path.exists():
