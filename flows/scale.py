@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.workspace import Workspace
-from grom_core.benchmarks.scale import SHAPES, ScaleShape, build_scale_model, scale_data
+from grom_core.benchmarks.scale import PLANNED, SHAPES, ScaleShape, build_scale_model, scale_data
 from grom_core.errors import DataError, GromError
 
 log = logging.getLogger("grom.scale")
@@ -125,6 +125,9 @@ def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFA
     quantizers = [a for a in attacks if a not in _reading_attacks()]
     reading = [a for a in attacks if a in _reading_attacks()]
     rows: list[ScaleRow] = []
+    rates = machine_rates()
+    log.info("scale: this machine's bfloat16 products %.0f GFLOP/s, float64 Cholesky %.0f GFLOP/s",
+             rates["bf16_matmul_gflops"], rates["fp64_cholesky_gflops"])
     for shape in shapes:
         start = time.perf_counter()
         model_dir = build_scale_model(shape, example_texts(forget + retain), root / "models")
@@ -139,15 +142,50 @@ def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFA
                 row = ScaleRow(shape=shape.name, method=method, parameters=shape.parameters(),
                                weights_mb=shape.weight_bytes() / 2**20, error=str(exc))
             rows.append(row)
-            result = _result(rows, shapes, methods, ws)
+            result = _result(rows, shapes, methods, ws, rates)
             (root / "results.json").write_text(json.dumps(result, indent=1))  # kept if a later run is stopped
     return result
 
 
-def _result(rows: list[ScaleRow], shapes: Sequence[ScaleShape], methods: Sequence[str], ws: Workspace) -> dict:
+def _result(rows: list[ScaleRow], shapes: Sequence[ScaleShape], methods: Sequence[str], ws: Workspace,
+            rates: dict[str, float]) -> dict:
     growth = {m: fit_growth([r for r in rows if r.method == m and r.error is None], shapes) for m in methods}
-    return {"rows": [dataclasses.asdict(r) for r in rows], "growth": growth,
-            "shapes": [dataclasses.asdict(s) for s in shapes], "workspace": str(ws.root)}
+    target = PLANNED["llama-3-8b"]
+    projected = {}
+    for method in methods:  # from the largest shape each method ran on
+        done = [r for r in rows if r.method == method and r.error is None]
+        if done and growth[method]:
+            last = max(done, key=lambda r: _width(shapes, r.shape))
+            base = next(s for s in shapes if s.name == last.shape)
+            projected[method] = {"from": base.name, "to": target.name,
+                                 "stages_s": project(last, growth[method], base, target)}
+    return {"rows": [dataclasses.asdict(r) for r in rows], "growth": growth, "projected": projected,
+            "machine": rates, "shapes": [dataclasses.asdict(s) for s in shapes], "workspace": str(ws.root)}
+
+
+def _width(shapes: Sequence[ScaleShape], name: str) -> int:
+    return next(s.hidden for s in shapes if s.name == name)
+
+
+def machine_rates(n: int = 2048) -> dict[str, float]:
+    """This machine's measured throughput, GFLOP/s: a bfloat16 matrix product (what the forward passes run) and a
+    float64 Cholesky factorisation (what the solve runs), each the best of three, for turning projected seconds into
+    operations and operations into another machine's seconds."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    spd = torch.randn(n, n, dtype=torch.float64)
+    spd = spd @ spd.T + n * torch.eye(n, dtype=torch.float64)
+    best = {"bf16_matmul_gflops": 0.0, "fp64_cholesky_gflops": 0.0}
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ a
+        best["bf16_matmul_gflops"] = max(best["bf16_matmul_gflops"], 2 * n ** 3 / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        torch.linalg.cholesky(spd)
+        best["fp64_cholesky_gflops"] = max(best["fp64_cholesky_gflops"],
+                                           n ** 3 / 3 / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def _unknown(name: str):
@@ -263,7 +301,17 @@ def tables(result: dict) -> list:
     for stage in fitted:
         growth.add_row(stage, *[f"{result['growth'][m][stage]:.2f}" if stage in result["growth"][m] else ""
                                 for m in methods])
-    return [table, growth]
+    tables_ = [table, growth]
+    if result.get("projected"):
+        projection = Table(title="projected to Llama-3-8B's shape on this machine, seconds (width^b times depth)")
+        projection.add_column("stage")
+        for method, got in result["projected"].items():
+            projection.add_column(f"{method} (from {got['from']})", justify="right")
+        for stage in [s for s in stages if any(s in p["stages_s"] for p in result["projected"].values())]:
+            projection.add_row(stage, *[f"{p['stages_s'][stage]:.0f}" if stage in p["stages_s"] else ""
+                                        for p in result["projected"].values()])
+        tables_.append(projection)
+    return tables_
 
 
 def main(argv: Sequence[str]) -> None:

@@ -33,7 +33,8 @@ def test_one_call_edit_forgets_and_keeps_retain(trained):
     band = run.manifest.body_first
     assert 0 < band.band.scale <= 1 and band.band.damage <= GromParams().retain_budget
     assert band.band_logit_drop.achieved_mean > 0
-    assert list(run.timings_s) == ["plan", "retain_statistics", "solve", "scale", "influence"]
+    assert list(run.timings_s) == ["plan", "retain_statistics", "retain_probe", "solve", "scale", "influence"]
+    assert set(run.peaks_mb) == set(run.timings_s) and min(run.peaks_mb.values()) > 0
 
     with run.edit.applied(model):
         forget_after = answer_probability(model, tokenizer, FORGET)

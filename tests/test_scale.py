@@ -60,6 +60,7 @@ def test_scale_benchmark_runs_every_stage_in_fresh_processes(tmp_path):
     assert len(saved) >= 2
     for path in saved:
         with safe_open(str(path), framework="pt") as handle:
-            assert {str(handle.get_slice(k).get_dtype()) for k in handle} == {"BF16"}, path
+            names = list(handle.keys())  # noqa: SIM118 (a safetensors handle, not a dict)
+            assert {str(handle.get_slice(k).get_dtype()) for k in names} == {"BF16"}, path
     assert json.loads((tmp_path / "scale" / "results.json").read_text())["rows"][0]["shape"] == "t64"
-    assert len(tables(result)) == 2 and math.isfinite(rows["grom"]["unlearn_s"])
+    assert len(tables(result)) >= 2 and math.isfinite(rows["grom"]["unlearn_s"])

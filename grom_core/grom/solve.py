@@ -205,14 +205,16 @@ class _Solver:
         """The update of one module for `share`, from the forget keys `got`."""
         params = self.params
         rows, targets = self._targets(name, got, share)
-        keys = got.inputs[name].double().cpu().T.contiguous()  # (n, s)
         st = self.stats[name]
+        # solved where the retain Gram lives (the model's device: a GPU's float64 where there is one); the factors
+        # come back to the CPU in ModuleDelta.from_factors
+        keys = got.inputs[name].to(st.gram.device, torch.float64).T.contiguous()  # (n, s)
         ridge = mu(st, params)
-        left, right, system = solve_factors(keys, targets, st.gram.cpu(), st.count, w_forget=1.0,
+        left, right, system = solve_factors(keys, targets, st.gram, st.count, w_forget=1.0,
                                             w_retain=params.w_retain, ridge=ridge)
         out_features = weight_out_in(get_module(self.model, name)).shape[0]
         delta = ModuleDelta.from_factors(name, left, right, row_index=rows, out_features=out_features)
-        record = SolveRecord(module=name, keys=keys, targets=targets, example_ids=got.example_ids.cpu(),
+        record = SolveRecord(module=name, keys=keys.cpu(), targets=targets, example_ids=got.example_ids.cpu(),
                              ridge=ridge, retain_count=st.count, w_forget=1.0, w_retain=params.w_retain,
                              positions=got.positions.cpu(), tokens=got.next_tokens.cpu(), target_rows=rows)
         log.debug("solved %s: keys %s, ridge %.3g%s", name, tuple(keys.shape), ridge,
