@@ -36,6 +36,9 @@ DEFAULT_METHODS = ("grom", "npo")
 DEFAULT_ATTACKS = ("fp4", "nf4", "head_swap", "logit_lens")
 CLOSED_FORM_STAGES = ("plan", "retain_statistics", "retain_probe", "solve", "scale")
 EVAL_EXAMPLES = 8  # forget and retain rows each evaluation reads: the cost of a stage, not a quality figure
+# A random model has no margins to size GROM's drops by (the mean margin of its forget answers is 0, and the edit
+# would be zero, its solve skipped): the benchmark asks a fixed drop instead, whose value no cost depends on.
+METHOD_PARAMS = {"grom": {"specificity": {"beta": 3.0}}}
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,8 @@ def _run_one(ws: Workspace, shape: ScaleShape, method: str, model_dir: str, forg
         old.unlink()
     args = ["unlearn", "--model", model_dir, "--forget", forget, "--retain", retain, "--method", method,
             "--model-name", name, "--max-examples", str(eval_examples), "--home", str(home), "--json"]
+    if method in METHOD_PARAMS:
+        args += ["--params", json.dumps(METHOD_PARAMS[method])]
     if quantizers or reading:
         args += ["--quantizers", ",".join(quantizers), "--attacks", ",".join(reading)]
     unlearned = run_child(args, logs / f"{tag}-unlearn.log")

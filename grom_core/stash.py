@@ -38,19 +38,21 @@ class Stash:
                 self._entries[name] = _Entry(offset, raw.nbytes)
                 offset += raw.nbytes
 
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Every tensor back to the bits it had when stashed."""
-        if not self._entries:
-            return
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+    def read(self, name: str) -> torch.Tensor:
+        """The stashed value of one tensor: a new CPU tensor of its dtype and shape."""
+        tensor, entry = self._tensors[name], self._entries[name]
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
         try:
-            for name, tensor in self._tensors.items():
-                entry = self._entries[name]
-                raw = torch.from_numpy(np.array(mapped[entry.offset:entry.offset + entry.nbytes]))
-                tensor.copy_(raw.view(tensor.dtype).view(tensor.shape).to(tensor.device))
+            return torch.from_numpy(np.array(mapped)).view(tensor.dtype).view(tensor.shape)
         finally:
             del mapped
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Every tensor back to the bits it had when stashed, one tensor in memory at a time."""
+        for name, tensor in self._tensors.items():
+            if self._entries[name].nbytes:
+                tensor.copy_(self.read(name).to(tensor.device))
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

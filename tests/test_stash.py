@@ -1,6 +1,7 @@
 """Weights set aside on disk give the exact bits back, and the stage timer reads each stage's peak memory."""
 
 import os
+import time
 
 import torch
 
@@ -43,8 +44,8 @@ def test_timings_record_each_stage_peak_memory():
     with timings.stage("small"):
         pass
     with timings.stage("large"):
-        block = torch.ones(64, 2**20, dtype=torch.float32)  # 256 MB, touched
-        block += 1
+        block = torch.ones(64, 2**20, dtype=torch.float32)  # 256 MB, touched, held past a few samples
+        time.sleep(0.3)
         del block
     assert timings.peak_mb["large"] >= timings.peak_mb["small"] + 200
     assert set(timings.seconds) == set(timings.peak_mb) == {"small", "large"}

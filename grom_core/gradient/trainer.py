@@ -35,6 +35,7 @@ from grom_core.fingerprint import weights_fingerprint
 from grom_core.gradient.composition import COMPOSERS
 from grom_core.gradient.losses import answer_logprobs, kl_to_reference, nll
 from grom_core.gradient.methods import ForgetBatchOutputs, MethodParams, Objective
+from grom_core.stash import stashed
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,6 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     rng = random.Random(trainer.seed)
     torch.manual_seed(trainer.seed)
     modules = trainable_modules(model)
-    originals = {name: m.weight.detach().clone() for name, m in modules.items()}
     reference = None
     if spec.preferred or params.retain_loss == "kl":  # the reference is asked about inputs made during training
         reference = copy.deepcopy(model).eval()
@@ -164,77 +164,79 @@ def train(model: nn.Module, tokenizer, forget, retain, params: MethodParams, obj
     history = []
     was_training = model.training
     model.train()
-    try:
-        for epoch in range(trainer.epochs):
-            order = list(range(len(forget_ex)))
-            rng.shuffle(order)
-            original_id = torch.tensor(order)  # a batch's example ids count positions in the shuffled order
-            forget_batches = make_batches(tokenizer, [forget_ex[i] for i in order], trainer.batch_size,
-                                          trainer.max_length, fmt=prompt_format)
-            preferred = [Example(question=forget_ex[i].question, answer=rng.choice(candidates[i])) for i in order
-                         ] if candidates else []
-            preferred_batches = (make_batches(tokenizer, preferred, trainer.batch_size, trainer.max_length,
-                                              fmt=prompt_format) if candidates else [None] * len(forget_batches))
-            retain_order = rng.sample(range(len(retain_ex)), len(retain_ex))
-            retain_batches = make_batches(tokenizer, [retain_ex[i] for i in retain_order], trainer.batch_size,
-                                          trainer.max_length, fmt=prompt_format)
-            epoch_f = epoch_r = 0.0
-            for first in range(0, len(forget_batches), trainer.grad_accum):
-                group = range(first, min(first + trainer.grad_accum, len(forget_batches)))
-                g_f = g_r = None
-                if compose != "sum":
-                    g_f = [torch.zeros_like(p) for p in trained]
-                    g_r = [torch.zeros_like(p) for p in trained]
-                for i in group:
-                    fb = forget_batches[i].to(device)
-                    rb = retain_batches[i % len(retain_batches)].to(device)
-                    stored = (ref_logp[original_id[fb.example_ids.cpu()]].to(device) if ref_logp is not None
-                              else None)
-                    loss_f = _forget_objective(model, reference, spec, params, fb, preferred_batches[i], device,
-                                               stored)
-                    passes += 1 + (reference is not None and spec.needs_reference) + 2 * bool(spec.preferred)
-                    epoch_f += loss_f.item()
-                    loss_r = None
-                    if params.alpha:
-                        loss_r = _retain_objective(model, reference, params, rb)
-                        passes += 1 + (params.retain_loss == "kl")
-                        epoch_r += loss_r.item()
-                    if g_f is None:  # sum: one backward pass of the weighted total, as a plain loop does
-                        total = loss_f * params.gamma + (loss_r * params.alpha if loss_r is not None else 0.0)
-                        (total / len(group)).backward()
-                    else:
-                        _accumulate(loss_f * params.gamma / len(group), trained, g_f)
-                        if loss_r is not None:
-                            _accumulate(loss_r * params.alpha / len(group), trained, g_r)
-                if g_f is not None:
-                    # the weights are already in g_f and g_r, so the composer combines them with unit weights
-                    for p, g in zip(trained, composer(g_f, g_r, 1.0, 1.0), strict=True):
-                        p.grad = g
-                if trainer.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(trained, trainer.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                steps += 1
-            history.append({"epoch": epoch + 1, "forget_loss": epoch_f / len(forget_batches),
-                            "retain_loss": epoch_r / len(forget_batches)})
-            log.info("%s+%s: epoch %d/%d, forget loss %.4f, retain loss %.4f, %d steps", name, compose, epoch + 1,
-                     trainer.epochs, history[-1]["forget_loss"], history[-1]["retain_loss"], steps)
-        deltas = {}
-        with torch.no_grad():
-            for module_name, module in modules.items():
-                diff = module.weight.detach() - originals[module_name]  # exact in the weights' dtype (Sterbenz)
-                diff = diff.T if is_conv1d(module) else diff  # [out, in], as ModuleDelta expects
-                if bool(diff.abs().max() > 0):
-                    deltas[module_name] = ModuleDelta(name=module_name, shape=tuple(weight_out_in(module).shape),
-                                                      dense=diff.cpu().contiguous())
-    finally:
-        with torch.no_grad():
-            for module_name, module in modules.items():
-                module.weight.copy_(originals[module_name])  # the exact original bits
-        for p in model.parameters():
-            p.requires_grad_(flags[id(p)])
-            p.grad = None
-        model.train(was_training)
+    # the original weights wait on disk (grom_core.stash), not as a second copy of the model in memory
+    with stashed({name: m.weight for name, m in modules.items()}) as originals:
+        try:
+            for epoch in range(trainer.epochs):
+                order = list(range(len(forget_ex)))
+                rng.shuffle(order)
+                original_id = torch.tensor(order)  # a batch's example ids count positions in the shuffled order
+                forget_batches = make_batches(tokenizer, [forget_ex[i] for i in order], trainer.batch_size,
+                                              trainer.max_length, fmt=prompt_format)
+                preferred = [Example(question=forget_ex[i].question, answer=rng.choice(candidates[i])) for i in order
+                             ] if candidates else []
+                preferred_batches = (make_batches(tokenizer, preferred, trainer.batch_size, trainer.max_length,
+                                                  fmt=prompt_format) if candidates else [None] * len(forget_batches))
+                retain_order = rng.sample(range(len(retain_ex)), len(retain_ex))
+                retain_batches = make_batches(tokenizer, [retain_ex[i] for i in retain_order], trainer.batch_size,
+                                              trainer.max_length, fmt=prompt_format)
+                epoch_f = epoch_r = 0.0
+                for first in range(0, len(forget_batches), trainer.grad_accum):
+                    group = range(first, min(first + trainer.grad_accum, len(forget_batches)))
+                    g_f = g_r = None
+                    if compose != "sum":
+                        g_f = [torch.zeros_like(p) for p in trained]
+                        g_r = [torch.zeros_like(p) for p in trained]
+                    for i in group:
+                        fb = forget_batches[i].to(device)
+                        rb = retain_batches[i % len(retain_batches)].to(device)
+                        stored = (ref_logp[original_id[fb.example_ids.cpu()]].to(device) if ref_logp is not None
+                                  else None)
+                        loss_f = _forget_objective(model, reference, spec, params, fb, preferred_batches[i], device,
+                                                   stored)
+                        passes += 1 + (reference is not None and spec.needs_reference) + 2 * bool(spec.preferred)
+                        epoch_f += loss_f.item()
+                        loss_r = None
+                        if params.alpha:
+                            loss_r = _retain_objective(model, reference, params, rb)
+                            passes += 1 + (params.retain_loss == "kl")
+                            epoch_r += loss_r.item()
+                        if g_f is None:  # sum: one backward pass of the weighted total, as a plain loop does
+                            total = loss_f * params.gamma + (loss_r * params.alpha if loss_r is not None else 0.0)
+                            (total / len(group)).backward()
+                        else:
+                            _accumulate(loss_f * params.gamma / len(group), trained, g_f)
+                            if loss_r is not None:
+                                _accumulate(loss_r * params.alpha / len(group), trained, g_r)
+                    if g_f is not None:
+                        # the weights are already in g_f and g_r, so the composer combines them with unit weights
+                        for p, g in zip(trained, composer(g_f, g_r, 1.0, 1.0), strict=True):
+                            p.grad = g
+                    if trainer.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(trained, trainer.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    steps += 1
+                history.append({"epoch": epoch + 1, "forget_loss": epoch_f / len(forget_batches),
+                                "retain_loss": epoch_r / len(forget_batches)})
+                log.info("%s+%s: epoch %d/%d, forget loss %.4f, retain loss %.4f, %d steps", name, compose, epoch + 1,
+                         trainer.epochs, history[-1]["forget_loss"], history[-1]["retain_loss"], steps)
+            optimizer.state.clear()  # the moments are done with: their memory goes before the deltas are formed
+            deltas = {}
+            with torch.no_grad():
+                for module_name, module in modules.items():
+                    # exact in the weights' dtype (Sterbenz)
+                    diff = module.weight.detach() - originals.read(module_name).to(module.weight.device)
+                    diff = diff.T if is_conv1d(module) else diff  # [out, in], as ModuleDelta expects
+                    if bool(diff.abs().max() > 0):
+                        deltas[module_name] = ModuleDelta(name=module_name, shape=tuple(weight_out_in(module).shape),
+                                                          dense=diff.cpu().contiguous())
+        finally:
+            originals.restore()  # the exact original bits
+            for p in model.parameters():
+                p.requires_grad_(flags[id(p)])
+                p.grad = None
+            model.train(was_training)
     edit = Edit(deltas=deltas, base_fingerprint=base_fingerprint,
                 params={"method": name, **params.to_dict()},
                 metadata={"steps": steps, "forward_passes": passes, "history": history,
