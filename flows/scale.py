@@ -65,6 +65,7 @@ class ScaleRow:
     edit_id: str = ""
     modules: tuple[str, ...] = ()
     error: str | None = None  # why a command of this run failed (the rows after it still run)
+    forget_probability: tuple[float, float] | None = None  # (before, after): the edit did something
 
     def closed_form_s(self) -> float:
         return sum(self.stages_s.get(s, 0.0) for s in CLOSED_FORM_STAGES)
@@ -226,6 +227,9 @@ def _run_one(ws: Workspace, shape: ScaleShape, method: str, model_dir: str, forg
                    unlearn_peak_mb=unlearned.peak_mb, edit_id=result["edit_id"], modules=tuple(result["modules"]))
     row.stages_s = {k: float(v) for k, v in result["timings_s"].items() if k not in ("unlearning", "total")}
     row.stages_peak_mb = {k: float(v) for k, v in result.get("stage_peak_mb", {}).items()}
+    metrics = result["metrics"]
+    row.forget_probability = (metrics["before"].get("forget_probability"),
+                              metrics["after"].get("forget_probability"))
     version = str(result["mlflow"]["version"])
     out = home / "materialized"
     materialized = run_child(["model", "materialize", name, version, "--out", str(out), "--home", str(home),

@@ -54,6 +54,8 @@ def test_scale_benchmark_runs_every_stage_in_fresh_processes(tmp_path):
         assert max(v for k, v in peaks.items() if k not in ("materialize", "revert")) <= row["unlearn_peak_mb"] * 1.01
         assert row["stages_s"]["unlearn"] >= sum(row["stages_s"].get(k, 0) for k in ("plan", "solve", "train"))
     assert rows["grom"]["modules"][-1] == "lm_head" and len(rows["grom"]["modules"]) >= 2
+    before, after = rows["grom"]["forget_probability"]
+    assert after < before  # a real edit was measured, not a zero one
     # bfloat16 in, bfloat16 out: the model, the edited model the flow saved and the materialised version
     runs = tmp_path / "scale" / "runs" / "t64-grom"
     saved = sorted(runs.glob("models/edited-*/*.safetensors")) + sorted(runs.glob("materialized/*.safetensors"))
