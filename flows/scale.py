@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.workspace import Workspace
-from grom_core.benchmarks.scale import PLANNED, SHAPES, ScaleShape, build_scale_model, scale_data
-from grom_core.errors import DataError, GromError
+from grom_core.benchmarks.registry import write_jsonl
+from grom_core.benchmarks.scale import PLANNED, ScaleShape, build_scale_model, get_shape, scale_data
+from grom_core.errors import GromError
 
 log = logging.getLogger("grom.scale")
 
@@ -105,14 +106,6 @@ def revert_check(model_dir: str, edit_dir: str) -> dict:
     return {"edit_id": edit.edit_id, "fingerprint": fingerprint}
 
 
-def _write_rows(rows, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        for ex in rows:
-            handle.write(json.dumps({k: v for k, v in dataclasses.asdict(ex).items() if v is not None}) + "\n")
-    return str(path)
-
-
 def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFAULT_SHAPES,
               methods: Sequence[str] = DEFAULT_METHODS, attacks: Sequence[str] = DEFAULT_ATTACKS,
               eval_examples: int = EVAL_EXAMPLES, n_forget: int = 8, n_retain: int = 64) -> dict:
@@ -120,12 +113,12 @@ def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFA
     return the rows, the fitted growth and the projection of each stage to Llama-3-8B's shape."""
     from grom_core.finetune import example_texts
 
-    shapes = [s if isinstance(s, ScaleShape) else SHAPES.get(s) or _unknown(s) for s in shapes]
+    shapes = [s if isinstance(s, ScaleShape) else get_shape(s) for s in shapes]
     ws = Workspace.resolve(home)
     root = ws.root / "scale"
     forget, retain = scale_data(n_forget, n_retain)
-    forget_path = _write_rows(forget, root / "data" / "forget.jsonl")
-    retain_path = _write_rows(retain, root / "data" / "retain.jsonl")
+    forget_path = str(write_jsonl(root / "data" / "forget.jsonl", [ex.record() for ex in forget]))
+    retain_path = str(write_jsonl(root / "data" / "retain.jsonl", [ex.record() for ex in retain]))
     quantizers = [a for a in attacks if a not in _reading_attacks()]
     reading = [a for a in attacks if a in _reading_attacks()]
     rows: list[ScaleRow] = []
@@ -190,10 +183,6 @@ def machine_rates(n: int = 2048) -> dict[str, float]:
         best["fp64_cholesky_gflops"] = max(best["fp64_cholesky_gflops"],
                                            n ** 3 / 3 / (time.perf_counter() - start) / 1e9)
     return best
-
-
-def _unknown(name: str):
-    raise DataError(f"unknown scale shape '{name}'; known: {', '.join(SHAPES)}")
 
 
 def _reading_attacks() -> tuple[str, ...]:
