@@ -108,9 +108,13 @@ def revert_check(model_dir: str, edit_dir: str) -> dict:
 
 def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFAULT_SHAPES,
               methods: Sequence[str] = DEFAULT_METHODS, attacks: Sequence[str] = DEFAULT_ATTACKS,
-              eval_examples: int = EVAL_EXAMPLES, n_forget: int = 8, n_retain: int = 64) -> dict:
+              eval_examples: int = EVAL_EXAMPLES, n_forget: int = 8, n_retain: int = 64,
+              keep_runs: bool = False) -> dict:
     """Build (or reuse) each shape's random model and run every method on it through the product's commands;
-    return the rows, the fitted growth and the projection of each stage to Llama-3-8B's shape."""
+    return the rows, the fitted growth and the projection of each stage to Llama-3-8B's shape.
+
+    Each run's workspace holds three copies of its model (the edited one the flow saves, the registry's root
+    version, the materialised one: 8 GB at the 1B shape); it is removed once measured unless `keep_runs`."""
     from grom_core.finetune import example_texts
 
     shapes = [s if isinstance(s, ScaleShape) else get_shape(s) for s in shapes]
@@ -139,6 +143,8 @@ def run_scale(home: str | None = None, shapes: Sequence[str | ScaleShape] = DEFA
                 row = ScaleRow(shape=shape.name, method=method, parameters=shape.parameters(),
                                weights_mb=shape.weight_bytes() / 2**20, error=str(exc))
             rows.append(row)
+            if not keep_runs:
+                shutil.rmtree(root / "runs" / f"{shape.name}-{method}", ignore_errors=True)
             result = _result(rows, shapes, methods, ws, rates)
             (root / "results.json").write_text(json.dumps(result, indent=1))  # kept if a later run is stopped
     return result

@@ -39,7 +39,7 @@ def test_growth_exponents_are_recovered_and_projected():
 def test_scale_benchmark_runs_every_stage_in_fresh_processes(tmp_path):
     shape = ScaleShape("t64", 2, 64, 256, 4, 2, vocab=1024)
     result = run_scale(str(tmp_path), shapes=[shape], methods=("grom", "npo"), attacks=("rtn4", "head_swap"),
-                       n_forget=8, n_retain=16)
+                       n_forget=8, n_retain=16, keep_runs=True)
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"grom", "npo"} and not any(r["error"] for r in rows.values())
     flow = {"ingest", "load", "unlearn", "evaluate_before", "apply_and_save", "evaluate_after", "quantization",
