@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -74,19 +73,40 @@ class ScaleRow:
 
 def run_child(args: Sequence[str], log_path: Path, module: str = "flows.cli") -> Child:
     """`python -m <module> <args>` in a fresh process; its stdout parsed as one JSON object, its stderr to
-    `log_path`; a failure raises with the log's last lines."""
+    `log_path`; a failure raises with the log's last lines.
+
+    The peak is the child's own high-water mark (VmHWM of its address space after exec), read while it runs: the
+    kernel's ru_maxrss of a forked child starts at the parent's resident size, so a large parent would inflate it."""
     out_path = log_path.with_suffix(".json")
+    peak_kb = 0
     with open(out_path, "wb") as out, open(log_path, "ab") as err:
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        while proc.poll() is None:
+            peak_kb = max(peak_kb, _high_water_kb(proc.pid, module))
+            time.sleep(0.1)
         seconds = time.perf_counter() - start
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-5:]
         raise GromError(f"`{module} {' '.join(args[:2])}` failed with exit code {proc.returncode}: "
                         + " | ".join(tail))
-    return Child(payload=json.loads(out_path.read_text()), seconds=seconds, peak_mb=usage.ru_maxrss / 1024)
+    return Child(payload=json.loads(out_path.read_text()), seconds=seconds, peak_mb=peak_kb / 1024)
+
+
+def _high_water_kb(pid: int, module: str) -> int:
+    """VmHWM of a running `python -m module` process in kB (0 before its exec, when it is still a copy of the
+    parent, and once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"-m\x00" + module.encode() not in handle.read():
+                return 0
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def revert_check(model_dir: str, edit_dir: str) -> dict:

@@ -142,11 +142,14 @@ def gradient_method(name: str, params: type[MethodParams] | str, objective: Obje
 
     def run(model, tokenizer, forget, retain, p: MethodParams, context: MethodContext) -> MethodRun:
         from grom_core.gradient.trainer import train
+        from grom_core.profiling import Timings
 
-        out = train(model, tokenizer, forget, retain, p, load(objective), name=name,
-                    prompt_format=context.prompt_format)
+        clock = Timings()
+        with clock.stage("train"):
+            out = train(model, tokenizer, forget, retain, p, load(objective), name=name,
+                        prompt_format=context.prompt_format)
         return MethodRun(edit=out.edit, steps=out.steps, forward_passes=out.forward_passes,
-                         timings_s={"train": out.seconds})
+                         timings_s=clock.seconds, peaks_mb=clock.peak_mb)
 
     return Method(name, params, run, summary, objective)
 
